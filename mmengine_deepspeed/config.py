@@ -1,0 +1,390 @@
+"""The ds_config: load it, fill ``"auto"`` from the MMEngine side, validate it.
+
+MMEngine owns the optimizer, the schedulers, the batch size, gradient
+accumulation and clipping; DeepSpeed owns partitioning, precision and
+communication. The two configs overlap on a few keys, and this module is the
+one place that reconciles them: an ``"auto"`` (or absent) value is filled from
+the MMEngine config, an explicit value that disagrees is refused with a message
+naming both keys, and settings DeepSpeed would silently misread are refused
+before any process group or engine exists.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os.path as osp
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+DsConfigSource = Union[str, Mapping[str, Any], None]
+
+AUTO = 'auto'
+
+# Top-level keys DeepSpeed 0.19 understands. Anything else is almost always a
+# typo that DeepSpeed would ignore without a word.
+KNOWN_TOP_LEVEL_KEYS = (
+    'activation_checkpointing', 'aio', 'amp', 'autotuning', 'bf16', 'bfloat16',
+    'checkpoint', 'comet', 'comms_logger', 'communication_data_type', 'compile',
+    'compression_training', 'csv_monitor', 'curriculum_learning', 'data_efficiency',
+    'data_types', 'dataloader_drop_last', 'disable_allgather', 'disable_python_gc',
+    'dump_state', 'eigenvalue', 'elasticity', 'expert_parallel', 'flops_profiler',
+    'fp16', 'gradient_accumulation_steps', 'gradient_allreduce_op', 'gradient_clipping',
+    'gradient_predivide_factor', 'graph_harvesting', 'hybrid_engine',
+    'load_universal_checkpoint', 'log_level', 'managed_gradient_accumulation',
+    'memory_breakdown', 'monitor_config', 'nebula', 'optimizer', 'pipeline',
+    'prescale_gradients', 'progressive_layer_drop', 'scheduler',
+    'seq_parallel_communication_data_type', 'sparse_attention', 'sparse_gradients',
+    'steps_per_print', 'tensorboard', 'timers', 'torch_autocast', 'train_batch_size',
+    'train_micro_batch_size_per_gpu', 'use_data_before_expert_parallel_', 'wall_clock_breakdown',
+    'wandb', 'weight_quantization', 'zero_allow_untested_optimizer',
+    'zero_force_ds_cpu_optimizer', 'zero_optimization',
+)
+
+# Keys whose value we may fill; "auto" anywhere else is refused.
+FILLED_KEYS = ('train_micro_batch_size_per_gpu', 'gradient_accumulation_steps',
+               'gradient_clipping', 'train_batch_size')
+
+# Optim wrappers that do their own mixed precision; DeepSpeed does it instead.
+AMP_WRAPPERS = ('AmpOptimWrapper', 'ApexOptimWrapper')
+PLAIN_WRAPPERS = ('OptimWrapper', 'DeepSpeedOptimWrapper')
+
+OFFLOAD_DEVICES = ('cpu', 'nvme', 'none')
+
+
+class DsConfigError(ValueError):
+    """A ds_config that cannot be used, with the key at fault and the fix."""
+
+
+@dataclass(frozen=True)
+class MMEngineSide:
+    """The parts of an MMEngine config that overlap with a ds_config.
+
+    Args:
+        batch_size (int, optional): ``train_dataloader.batch_size``; None
+            when the runner has no training dataloader. Defaults to None.
+        accumulative_counts (int, optional):
+            ``optim_wrapper.accumulative_counts`` if set. Defaults to None.
+        clip_grad (dict, optional): ``optim_wrapper.clip_grad``.
+            Defaults to None.
+        optim_wrapper_type (str, optional): ``optim_wrapper.type``.
+            Defaults to None.
+        has_optim_wrapper (bool): Whether MMEngine defines an optimizer.
+            Defaults to False.
+        has_param_scheduler (bool): Whether MMEngine defines
+            ``param_scheduler``. Defaults to False.
+    """
+
+    batch_size: Optional[int] = None
+    accumulative_counts: Optional[int] = None
+    clip_grad: Optional[Mapping[str, Any]] = None
+    optim_wrapper_type: Optional[str] = None
+    has_optim_wrapper: bool = False
+    has_param_scheduler: bool = False
+
+
+def load_ds_config(source: DsConfigSource, config_dir: Optional[str] = None) -> dict:
+    """Return a private deep copy of the user's ds_config.
+
+    Args:
+        source (str | Mapping | None): A dict (an MMEngine ``ConfigDict``
+            included), the path of a JSON file, or None for DeepSpeed's
+            defaults (ZeRO-0, fp32).
+        config_dir (str, optional): Directory of the MMEngine config file; a
+            relative JSON path is looked up there when it is not found from
+            the working directory. Defaults to None.
+
+    Returns:
+        dict: A plain dict the caller may modify.
+    """
+    if source is None:
+        return {}
+    if isinstance(source, Mapping):
+        return _to_plain(source)
+    if not isinstance(source, str):
+        raise DsConfigError(
+            f'ds_config must be a dict or the path of a JSON file, got {type(source).__name__}.')
+    candidates = [source]
+    if config_dir is not None and not osp.isabs(source):
+        candidates.append(osp.join(config_dir, source))
+    for path in candidates:
+        if osp.isdir(path):
+            raise DsConfigError(f'ds_config {path!r} is a directory; pass the path of a JSON file.')
+        if osp.isfile(path):
+            with open(path, encoding='utf-8') as f:
+                try:
+                    loaded = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise DsConfigError(f'ds_config file {path!r} is not valid JSON: {e}') from e
+            if not isinstance(loaded, dict):
+                raise DsConfigError(f'ds_config file {path!r} must hold a JSON object.')
+            return loaded
+    raise DsConfigError(
+        f'ds_config file not found: tried {", ".join(repr(p) for p in candidates)}. '
+        'Give a path relative to the working directory or to the config file.')
+
+
+def _to_plain(value: Any) -> Any:
+    """Deep-copy mappings (ConfigDict included) and sequences into plain types."""
+    if isinstance(value, Mapping):
+        return {str(k): _to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    return copy.deepcopy(value)
+
+
+def get_value(ds_config: Mapping[str, Any], dotted_key: str, default: Any = None) -> Any:
+    """Look up ``'zero_optimization.stage'``-style keys.
+
+    Args:
+        ds_config (Mapping): The config.
+        dotted_key (str): Keys joined by dots.
+        default (Any): Returned when a key on the way is missing.
+            Defaults to None.
+
+    Returns:
+        Any: The value found, or ``default``.
+    """
+    node: Any = ds_config
+    for part in dotted_key.split('.'):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def zero_stage(ds_config: Mapping[str, Any]) -> int:
+    """The ZeRO stage of a validated config (0 when unset)."""
+    return int(get_value(ds_config, 'zero_optimization.stage', 0))
+
+
+def precision(ds_config: Mapping[str, Any]) -> str:
+    """``'bf16'``, ``'fp16'`` or ``'fp32'`` for a validated config."""
+    if _enabled(ds_config, 'bf16') or _enabled(ds_config, 'bfloat16'):
+        return 'bf16'
+    if _enabled(ds_config, 'fp16'):
+        return 'fp16'
+    return 'fp32'
+
+
+def _enabled(ds_config: Mapping[str, Any], section: str) -> bool:
+    return bool(get_value(ds_config, f'{section}.enabled', False))
+
+
+def resolve_ds_config(
+    source: DsConfigSource,
+    side: MMEngineSide,
+    *,
+    world_size: Optional[int],
+    cuda_available: bool,
+    config_dir: Optional[str] = None,
+) -> dict:
+    """Load, validate and fill a ds_config against the MMEngine config.
+
+    Called once before the runner touches any process (with
+    ``world_size=None``, so that ``train_batch_size`` is not checked yet) and
+    again right before ``deepspeed.initialize`` with the real world size.
+
+    Args:
+        source (str | Mapping | None): See :func:`load_ds_config`.
+        side (MMEngineSide): What the MMEngine config says.
+        world_size (int, optional): Data-parallel world size, or None if
+            not known yet.
+        cuda_available (bool): Whether this process can use CUDA.
+        config_dir (str, optional): See :func:`load_ds_config`.
+            Defaults to None.
+
+    Returns:
+        dict: The config to hand to ``deepspeed.initialize``.
+    """
+    ds = load_ds_config(source, config_dir)
+    _check_keys(ds)
+    _check_types(ds)
+    _check_precision(ds, cuda_available)
+    _check_optim_wrapper(side)
+    _check_ownership(ds, side)
+    _fill_batch(ds, side, world_size)
+    _fill_clipping(ds, side)
+    # DeepSpeed logs a progress line every `steps_per_print` steps by default,
+    # duplicating LoggerHook; None switches it off (the engine tests for None).
+    ds.setdefault('steps_per_print', None)
+    return ds
+
+
+def _check_keys(ds: Mapping[str, Any]) -> None:
+    for key in ds:
+        if key not in KNOWN_TOP_LEVEL_KEYS:
+            close = difflib.get_close_matches(key, KNOWN_TOP_LEVEL_KEYS, n=1, cutoff=0.6)
+            hint = f' Did you mean {close[0]!r}?' if close else ''
+            raise DsConfigError(f'ds_config has an unknown key {key!r}.{hint}')
+    for key, value in _walk(ds):
+        if value == AUTO and key not in FILLED_KEYS:
+            raise DsConfigError(
+                f'ds_config.{key} is "auto", but only {", ".join(FILLED_KEYS)} can be '
+                'filled from the MMEngine config; give an explicit value.')
+    if get_value(ds, 'pipeline') not in (None, {}):
+        raise DsConfigError(
+            'ds_config.pipeline: pipeline parallelism is not supported by DeepSpeedRunner yet; '
+            'remove the "pipeline" section (data parallelism with ZeRO 0-3 is).')
+
+
+def _walk(node: Mapping[str, Any], prefix: str = '') -> list[tuple[str, Any]]:
+    items = []
+    for key, value in node.items():
+        dotted = f'{prefix}{key}'
+        if isinstance(value, Mapping):
+            items.extend(_walk(value, dotted + '.'))
+        else:
+            items.append((dotted, value))
+    return items
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _expect(ds: Mapping[str, Any], key: str, ok: bool, what: str) -> None:
+    if not ok:
+        value = get_value(ds, key)
+        raise DsConfigError(f'ds_config.{key} must be {what}, got {value!r}.')
+
+
+def _check_types(ds: Mapping[str, Any]) -> None:
+    for key in ('train_micro_batch_size_per_gpu', 'gradient_accumulation_steps',
+                'train_batch_size'):
+        value = get_value(ds, key)
+        if value is not None and value != AUTO:
+            _expect(ds, key, _is_int(value) and value > 0, 'a positive integer or "auto"')
+    clip = get_value(ds, 'gradient_clipping')
+    if clip is not None and clip != AUTO:
+        _expect(ds, 'gradient_clipping',
+                isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip >= 0,
+                'a non-negative number or "auto"')
+    steps = get_value(ds, 'steps_per_print')
+    if steps is not None:
+        _expect(ds, 'steps_per_print', _is_int(steps) and steps > 0, 'a positive integer')
+    for section in ('zero_optimization', 'fp16', 'bf16', 'bfloat16'):
+        value = get_value(ds, section)
+        if value is not None:
+            _expect(ds, section, isinstance(value, Mapping), 'a dict')
+        enabled = get_value(ds, f'{section}.enabled')
+        if enabled is not None:
+            _expect(ds, f'{section}.enabled', isinstance(enabled, bool), 'true or false')
+    stage = get_value(ds, 'zero_optimization.stage')
+    if stage is not None:
+        _expect(ds, 'zero_optimization.stage', _is_int(stage) and 0 <= stage <= 3,
+                'one of 0, 1, 2, 3')
+    for part in ('offload_optimizer', 'offload_param'):
+        key = f'zero_optimization.{part}'
+        value = get_value(ds, key)
+        if value is None:
+            continue
+        _expect(ds, key, isinstance(value, Mapping), 'a dict such as {"device": "cpu"}')
+        device = get_value(ds, f'{key}.device', 'none')
+        _expect(ds, f'{key}.device', device in OFFLOAD_DEVICES, f'one of {OFFLOAD_DEVICES}')
+    if get_value(ds, 'zero_optimization.offload_param.device', 'none') != 'none' \
+            and get_value(ds, 'zero_optimization.stage', 0) != 3:
+        raise DsConfigError(
+            'ds_config.zero_optimization.offload_param needs zero_optimization.stage 3; '
+            'use offload_optimizer with stages 1-2.')
+
+
+def _check_precision(ds: Mapping[str, Any], cuda_available: bool) -> None:
+    bf16 = _enabled(ds, 'bf16') or _enabled(ds, 'bfloat16')
+    fp16 = _enabled(ds, 'fp16')
+    if bf16 and fp16:
+        raise DsConfigError(
+            'ds_config enables both fp16.enabled and bf16.enabled; enable one of them.')
+    if fp16 and not cuda_available:
+        raise DsConfigError(
+            'ds_config.fp16.enabled is true, but fp16 training needs CUDA and none is '
+            'available here; use bf16=dict(enabled=True) instead, which works on CPU.')
+
+
+def _check_optim_wrapper(side: MMEngineSide) -> None:
+    wrapper_type = side.optim_wrapper_type
+    if wrapper_type in AMP_WRAPPERS:
+        raise DsConfigError(
+            f'optim_wrapper.type={wrapper_type!r} does its own mixed precision, which '
+            'DeepSpeed replaces: set optim_wrapper.type="OptimWrapper" and enable '
+            'bf16=dict(enabled=True) (or fp16 on CUDA) in ds_config.')
+    if wrapper_type is not None and wrapper_type not in PLAIN_WRAPPERS:
+        raise DsConfigError(
+            f'optim_wrapper.type={wrapper_type!r} is not supported with DeepSpeed; use '
+            f'one of {PLAIN_WRAPPERS}.')
+    clip = side.clip_grad
+    if clip is None:
+        return
+    clip_type = clip.get('type', 'norm')
+    if clip_type != 'norm':
+        raise DsConfigError(
+            f'optim_wrapper.clip_grad.type={clip_type!r}: DeepSpeed clips gradients by '
+            'global norm only; use clip_grad=dict(max_norm=...).')
+    norm_type = clip.get('norm_type', 2)
+    if float(norm_type) != 2.0:
+        raise DsConfigError(
+            f'optim_wrapper.clip_grad.norm_type={norm_type!r}: DeepSpeed clips by the L2 '
+            'norm only; remove norm_type or set it to 2.')
+    unknown = set(clip) - {'type', 'max_norm', 'norm_type'}
+    if unknown:
+        raise DsConfigError(
+            f'optim_wrapper.clip_grad has {sorted(unknown)}, which DeepSpeed cannot honour; '
+            'keep only max_norm (and norm_type=2).')
+    max_norm = clip.get('max_norm')
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm <= 0:
+        raise DsConfigError(
+            f'optim_wrapper.clip_grad.max_norm must be a positive number, got {max_norm!r}.')
+
+
+def _check_ownership(ds: Mapping[str, Any], side: MMEngineSide) -> None:
+    if 'optimizer' in ds and side.has_optim_wrapper:
+        raise DsConfigError(
+            'ds_config.optimizer conflicts with optim_wrapper.optimizer: MMEngine builds the '
+            'optimizer (paramwise_cfg and constructors included). Remove "optimizer" from '
+            'ds_config and configure optim_wrapper.optimizer instead.')
+    if 'scheduler' in ds and side.has_param_scheduler:
+        raise DsConfigError(
+            'ds_config.scheduler conflicts with param_scheduler: MMEngine schedules the '
+            'learning rate. Remove "scheduler" from ds_config.')
+
+
+def _fill_batch(ds: dict, side: MMEngineSide, world_size: Optional[int]) -> None:
+    micro = _reconcile(ds, 'train_micro_batch_size_per_gpu', side.batch_size,
+                       'train_dataloader.batch_size', default=1)
+    accum = _reconcile(ds, 'gradient_accumulation_steps', side.accumulative_counts,
+                       'optim_wrapper.accumulative_counts', default=1)
+    if world_size is None:
+        return
+    derived = micro * accum * world_size
+    explicit = ds.get('train_batch_size', AUTO)
+    if explicit != AUTO and explicit != derived:
+        raise DsConfigError(
+            f'ds_config.train_batch_size={explicit} disagrees with train_dataloader.batch_size '
+            f'({micro}) x optim_wrapper.accumulative_counts ({accum}) x world size '
+            f'({world_size}) = {derived}; set it to "auto" or remove it.')
+    ds['train_batch_size'] = derived
+
+
+def _reconcile(ds: dict, key: str, mm_value: Optional[int], mm_key: str, default: int) -> int:
+    """Fill ``ds[key]`` from MMEngine, or refuse when both are set and differ."""
+    value = ds.get(key, AUTO)
+    if value == AUTO:
+        value = default if mm_value is None else mm_value
+    elif mm_value is not None and value != mm_value:
+        raise DsConfigError(
+            f'ds_config.{key}={value} disagrees with {mm_key}={mm_value}; set one of them '
+            f'(ds_config.{key}="auto" takes the MMEngine value).')
+    ds[key] = value
+    return int(value)
+
+
+def _fill_clipping(ds: dict, side: MMEngineSide) -> None:
+    max_norm = None if side.clip_grad is None else float(side.clip_grad['max_norm'])
+    value = ds.get('gradient_clipping', AUTO)
+    if value == AUTO:
+        ds['gradient_clipping'] = 0.0 if max_norm is None else max_norm
+    elif max_norm is not None and float(value) != max_norm:
+        raise DsConfigError(
+            f'ds_config.gradient_clipping={value} disagrees with '
+            f'optim_wrapper.clip_grad.max_norm={max_norm}; set one of them.')

@@ -1,0 +1,138 @@
+"""Process-group setup that works with and without CUDA.
+
+MMEngine's ``init_dist`` calls ``torch.cuda.set_device`` for every launcher,
+which fails on a machine without CUDA, and DeepSpeed needs a process group even
+for a single process. This module sets the group up for the launchers MMEngine
+knows (``none``, ``pytorch``, ``slurm``, ``mpi``) with gloo on CPU and nccl on
+CUDA, and always with a timeout, so that a rank whose peer died raises instead
+of waiting forever.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+import torch.distributed as torch_dist
+from mmengine.logging import print_log
+
+LAUNCHERS = ('none', 'pytorch', 'slurm', 'mpi')
+DEFAULT_TIMEOUT_S = 1800
+DEFAULT_PORT = 29500
+
+
+def cuda_available() -> bool:
+    """Whether this process can use CUDA (False on CPU-only builds)."""
+    return torch.cuda.is_available()
+
+
+def choose_backend(requested: Optional[str], has_cuda: bool) -> str:
+    """The backend to use: nccl needs CUDA, so fall back to gloo without it.
+
+    MMEngine's default ``env_cfg`` asks for nccl, so almost every config says
+    nccl; on a CPU machine that means "the default", not "fail".
+
+    Args:
+        requested (str, optional): ``env_cfg.dist_cfg.backend``.
+        has_cuda (bool): Whether CUDA is usable.
+
+    Returns:
+        str: ``'nccl'`` or ``'gloo'`` (or the requested backend otherwise).
+    """
+    if requested is None:
+        return 'nccl' if has_cuda else 'gloo'
+    if requested == 'nccl' and not has_cuda:
+        print_log('env_cfg.dist_cfg.backend="nccl" needs CUDA; using gloo on this machine.',
+                  logger='current')
+        return 'gloo'
+    return requested
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(('127.0.0.1', 0))
+        return int(s.getsockname()[1])
+
+
+def _env_int(*names: str, default: Optional[int] = None) -> int:
+    for name in names:
+        if name in os.environ:
+            return int(os.environ[name])
+    if default is None:
+        raise RuntimeError(
+            f'None of the environment variables {names} is set: start the job with the '
+            'launcher it names (torchrun for launcher="pytorch", srun for "slurm", '
+            'mpirun for "mpi").')
+    return default
+
+
+def _slurm_master_addr() -> str:
+    nodes = os.environ['SLURM_NODELIST']
+    out = subprocess.run(['scontrol', 'show', 'hostnames', nodes], capture_output=True,
+                         text=True, check=True).stdout
+    return out.split()[0]
+
+
+def _launcher_env(launcher: str, port: Optional[int]) -> dict[str, str]:
+    """RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* for ``launcher``."""
+    if launcher == 'none':
+        return {'RANK': '0', 'WORLD_SIZE': '1', 'LOCAL_RANK': '0',
+                'MASTER_ADDR': os.environ.get('MASTER_ADDR', '127.0.0.1'),
+                'MASTER_PORT': os.environ.get('MASTER_PORT', str(port or free_port()))}
+    if launcher == 'pytorch':
+        return {'RANK': str(_env_int('RANK')), 'WORLD_SIZE': str(_env_int('WORLD_SIZE')),
+                'LOCAL_RANK': str(_env_int('LOCAL_RANK', default=0)),
+                'MASTER_ADDR': os.environ.get('MASTER_ADDR', '127.0.0.1'),
+                'MASTER_PORT': os.environ.get('MASTER_PORT', str(port or DEFAULT_PORT))}
+    if launcher == 'slurm':
+        addr = os.environ.get('MASTER_ADDR') or _slurm_master_addr()
+        return {'RANK': str(_env_int('SLURM_PROCID')),
+                'WORLD_SIZE': str(_env_int('SLURM_NTASKS')),
+                'LOCAL_RANK': str(_env_int('SLURM_LOCALID', default=0)),
+                'MASTER_ADDR': addr,
+                'MASTER_PORT': str(port or os.environ.get('MASTER_PORT', DEFAULT_PORT))}
+    if launcher == 'mpi':
+        return {'RANK': str(_env_int('OMPI_COMM_WORLD_RANK', 'PMI_RANK')),
+                'WORLD_SIZE': str(_env_int('OMPI_COMM_WORLD_SIZE', 'PMI_SIZE')),
+                'LOCAL_RANK': str(_env_int('OMPI_COMM_WORLD_LOCAL_RANK', 'MPI_LOCALRANKID',
+                                           default=0)),
+                'MASTER_ADDR': os.environ.get('MASTER_ADDR', '127.0.0.1'),
+                'MASTER_PORT': str(port or os.environ.get('MASTER_PORT', DEFAULT_PORT))}
+    raise ValueError(f'launcher={launcher!r} is not supported; use one of {LAUNCHERS}.')
+
+
+def init_distributed(launcher: str, dist_cfg: Optional[Mapping[str, Any]] = None) -> None:
+    """Initialise the default process group for ``launcher`` if none exists.
+
+    Args:
+        launcher (str): One of ``'none'`` (one process, still a process
+            group, since DeepSpeed needs one), ``'pytorch'``, ``'slurm'``,
+            ``'mpi'``.
+        dist_cfg (Mapping, optional): MMEngine's ``env_cfg.dist_cfg``:
+            ``backend``, ``timeout`` (seconds) and ``port`` are honoured.
+            Defaults to None.
+    """
+    if launcher not in LAUNCHERS:
+        raise ValueError(f'launcher={launcher!r} is not supported; use one of {LAUNCHERS}.')
+    if torch_dist.is_initialized():
+        return
+    cfg = dict(dist_cfg or {})
+    unknown = set(cfg) - {'backend', 'timeout', 'port'}
+    if unknown:
+        raise ValueError(f'env_cfg.dist_cfg has unsupported keys {sorted(unknown)}; '
+                         'DeepSpeedRunner honours backend, timeout and port.')
+    has_cuda = cuda_available()
+    backend = choose_backend(cfg.get('backend'), has_cuda)
+    timeout = datetime.timedelta(seconds=float(cfg.get('timeout', DEFAULT_TIMEOUT_S)))
+    env = _launcher_env(launcher, cfg.get('port'))
+    os.environ.update(env)
+    if has_cuda:
+        torch.cuda.set_device(int(env['LOCAL_RANK']) % torch.cuda.device_count())
+    torch_dist.init_process_group(backend=backend, init_method='env://',
+                                  rank=int(env['RANK']), world_size=int(env['WORLD_SIZE']),
+                                  timeout=timeout)

@@ -1,0 +1,135 @@
+"""DeepSpeedEngineWrapper: the model wrapper MMEngine's loops talk to.
+
+The loops call ``runner.model.train_step / val_step / test_step``; hooks reach
+the user's model as ``runner.model.module``. The wrapper runs the BaseModel's
+data preprocessor, casts floating inputs to the engine's dtype under bf16/fp16
+and forwards through the DeepSpeed engine, so ZeRO-3's parameter gathering and
+the engine's bookkeeping see every step. Nothing is patched onto the engine.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional, Union
+
+import torch
+from deepspeed import DeepSpeedEngine
+from mmengine.model import BaseDataPreprocessor, BaseModel
+from mmengine.optim import OptimWrapper
+from mmengine.registry import MODEL_WRAPPERS
+from mmengine.structures import BaseDataElement
+from torch import nn
+
+Data = Union[dict, tuple, list]
+
+
+def cast_floating(data: Any, dtype: torch.dtype) -> Any:
+    """Cast the floating tensors in ``data`` to ``dtype``.
+
+    Containers (dict, list, tuple) are walked; data samples
+    (``BaseDataElement``) are left alone, since their floating fields are
+    labels and targets that must keep full precision.
+
+    Args:
+        data (Any): Output of the data preprocessor.
+        dtype (torch.dtype): The engine's compute dtype.
+
+    Returns:
+        Any: ``data`` with floating tensors cast.
+    """
+    if isinstance(data, torch.Tensor):
+        return data.to(dtype) if data.is_floating_point() else data
+    if isinstance(data, BaseDataElement):
+        return data
+    if isinstance(data, Mapping):
+        return type(data)({k: cast_floating(v, dtype) for k, v in data.items()})  # type: ignore
+    if isinstance(data, tuple) and hasattr(data, '_fields'):  # namedtuple
+        return type(data)(*(cast_floating(v, dtype) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(cast_floating(v, dtype) for v in data)
+    return data
+
+
+def _overrides(module: nn.Module, method: str) -> bool:
+    """Whether ``module`` replaces BaseModel's ``method`` with its own."""
+    if not isinstance(module, BaseModel):
+        return True
+    return getattr(type(module), method) is not getattr(BaseModel, method)
+
+
+@MODEL_WRAPPERS.register_module()
+class DeepSpeedEngineWrapper(nn.Module):
+    """Wraps a DeepSpeed engine so MMEngine's loops and hooks can drive it.
+
+    Args:
+        engine (DeepSpeedEngine): The engine built around the user's model.
+        cast_dtype (torch.dtype, optional): Dtype floating inputs are cast to
+            before the forward pass (bf16/fp16 training); None keeps them.
+            Defaults to None.
+    """
+
+    def __init__(self, engine: DeepSpeedEngine, cast_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.engine = engine
+        self.cast_dtype = cast_dtype
+        preprocessor = getattr(engine.module, 'data_preprocessor', None)
+        if isinstance(preprocessor, BaseDataPreprocessor) and preprocessor.device != engine.device:
+            preprocessor.to(engine.device)
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's model, for hooks and for code written for DDP."""
+        return self.engine.module
+
+    def train_step(self, data: Data, optim_wrapper: OptimWrapper) -> dict[str, torch.Tensor]:
+        """Preprocess, forward in ``'loss'`` mode, parse losses, update.
+
+        A model that overrides ``train_step`` (GANs, custom schedules) has its
+        own called with the DeepSpeed optim wrapper instead.
+
+        Args:
+            data (dict | tuple | list): A batch from the dataloader.
+            optim_wrapper (OptimWrapper): The runner's DeepSpeedOptimWrapper.
+
+        Returns:
+            dict[str, torch.Tensor]: Log variables from ``parse_losses``.
+        """
+        module = self.module
+        if _overrides(module, 'train_step'):
+            return module.train_step(data, optim_wrapper)
+        assert isinstance(module, BaseModel)
+        with optim_wrapper.optim_context(self):
+            batch = module.data_preprocessor(data, True)
+            losses = self._run_forward(batch, mode='loss')
+        parsed_losses, log_vars = module.parse_losses(losses)
+        optim_wrapper.update_params(parsed_losses)
+        return log_vars
+
+    def val_step(self, data: Data) -> list:
+        """Preprocess and forward in ``'predict'`` mode (or the model's own)."""
+        return self._predict(data, 'val_step')
+
+    def test_step(self, data: Data) -> list:
+        """Preprocess and forward in ``'predict'`` mode (or the model's own)."""
+        return self._predict(data, 'test_step')
+
+    def _predict(self, data: Data, method: str) -> list:
+        module = self.module
+        if _overrides(module, method):
+            return getattr(module, method)(data)
+        assert isinstance(module, BaseModel)
+        batch = module.data_preprocessor(data, False)
+        return self._run_forward(batch, mode='predict')
+
+    def _run_forward(self, batch: Data, mode: str) -> Any:
+        if self.cast_dtype is not None:
+            batch = cast_floating(batch, self.cast_dtype)
+        if isinstance(batch, Mapping):
+            return self.engine(**batch, mode=mode)
+        if isinstance(batch, (list, tuple)):
+            return self.engine(*batch, mode=mode)
+        raise TypeError(
+            f'The data_preprocessor must return a dict, tuple or list, got {type(batch)}.')
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward through the engine (for code that calls the model itself)."""
+        return self.engine(*args, **kwargs)

@@ -1,0 +1,152 @@
+"""DeepSpeedOptimWrapper: MMEngine's optimizer-wrapper interface over an engine.
+
+MMEngine's loops, hooks and schedulers talk to an ``OptimWrapper``; DeepSpeed
+wants ``engine.backward`` and ``engine.step``. This wrapper keeps MMEngine's
+semantics exactly, so a config behaves as it did without DeepSpeed:
+
+* gradient accumulation: parameters change every ``accumulative_counts``
+  iterations, the loss is divided as MMEngine divides it (including the shorter
+  last window when ``max_iters`` is not a multiple), and the engine is told
+  where each accumulation boundary is rather than counting on its own;
+* the learning rate and momentum live in the param groups of the optimizer
+  MMEngine built, which DeepSpeed's ZeRO optimizers step with, so
+  ``param_scheduler`` and ``LoggerHook`` work unchanged;
+* clipping is DeepSpeed's ``gradient_clipping`` (global L2 norm over every
+  partition); the norm, and under fp16 the loss scale and skipped steps, are
+  published to the message hub for the logger.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import mmengine.runner  # noqa: F401  registers MMEngine's same-named wrapper first (see below)
+import torch
+from deepspeed import DeepSpeedEngine
+from mmengine.optim import OptimWrapper
+from mmengine.registry import OPTIM_WRAPPERS
+from torch import nn
+from torch.optim import Optimizer
+
+
+# force=True: importing mmengine.runner (done above, so that the order is
+# fixed) imports mmengine._strategy.deepspeed, which registers its own
+# DeepSpeedOptimWrapper under this name, part of the DeepSpeedStrategy that
+# does not work on DeepSpeed 0.19; configs written for it get this one.
+@OPTIM_WRAPPERS.register_module(force=True)
+class DeepSpeedOptimWrapper(OptimWrapper):
+    """Optimizer wrapper whose backward and step go through a DeepSpeed engine.
+
+    The runner builds it; in a config, ``optim_wrapper.type`` may stay
+    ``'OptimWrapper'`` or say ``'DeepSpeedOptimWrapper'``.
+
+    Args:
+        engine (DeepSpeedEngine): The engine that owns the model.
+        optimizer (Optimizer): The optimizer MMEngine built and handed to
+            ``deepspeed.initialize``; its param groups are the ones DeepSpeed
+            steps with.
+        accumulative_counts (int): Iterations per parameter update.
+            Defaults to 1.
+        clip_max_norm (float): DeepSpeed's ``gradient_clipping`` (0 for none),
+            used only to decide whether a grad norm is logged when the engine
+            does not compute one. Defaults to 0.
+    """
+
+    def __init__(self, engine: DeepSpeedEngine, optimizer: Optimizer,
+                 accumulative_counts: int = 1, clip_max_norm: float = 0.0):
+        super().__init__(optimizer, accumulative_counts=accumulative_counts)
+        self.engine = engine
+        self.clip_max_norm = clip_max_norm
+
+    def update_params(self, loss: torch.Tensor, step_kwargs: Optional[dict] = None,
+                      zero_kwargs: Optional[dict] = None) -> None:
+        """Scale the loss, back-propagate and step the engine.
+
+        The engine is stepped after every backward, as DeepSpeed requires;
+        it changes the parameters only at the accumulation boundary that
+        :meth:`backward` announced.
+
+        Args:
+            loss (torch.Tensor): The loss of this iteration.
+            step_kwargs (dict, optional): Passed to ``engine.step``.
+                Defaults to None.
+            zero_kwargs (dict, optional): Must be empty: the engine clears
+                gradients itself. Defaults to None.
+        """
+        if zero_kwargs:
+            raise ValueError(
+                f'zero_kwargs={zero_kwargs} cannot be honoured: DeepSpeed clears gradients '
+                'itself after each update.')
+        self.backward(self.scale_loss(loss))
+        self.step(**(step_kwargs or {}))
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Back-propagate ``loss`` (already scaled) through the engine.
+
+        Args:
+            loss (torch.Tensor): Scaled loss, as from :meth:`scale_loss`.
+            **kwargs: ``retain_graph`` is passed on; nothing else is accepted.
+        """
+        unknown = set(kwargs) - {'retain_graph'}
+        if unknown:
+            raise TypeError(f'DeepSpeedOptimWrapper.backward() got unsupported {sorted(unknown)}.')
+        # should_sync() answers "does this backward end an accumulation
+        # window", MMEngine's rule; the engine reduces and steps on it.
+        self.engine.set_gradient_accumulation_boundary(self.should_sync())
+        self.engine.backward(loss, retain_graph=kwargs.get('retain_graph', False),
+                             scale_wrt_gas=False)
+        self._inner_count += 1
+
+    def step(self, **kwargs: Any) -> None:
+        """Step the engine; at a boundary this updates and logs the grad norm.
+
+        Args:
+            **kwargs: Passed to ``engine.step`` (``lr_kwargs``).
+        """
+        at_boundary = self.engine.is_gradient_accumulation_boundary()
+        fallback_norm = self._norm_if_engine_does_not() if at_boundary else None
+        self.engine.step(**kwargs)
+        if not at_boundary:
+            return
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            norm = fallback_norm
+        if norm is not None:
+            self.message_hub.update_scalar('train/grad_norm', float(norm))
+        if self.engine.fp16_enabled():
+            self.message_hub.update_scalar('train/loss_scale',
+                                           float(self.engine.optimizer.loss_scale))
+            self.message_hub.update_scalar('train/skipped_steps',
+                                           float(self.engine.skipped_steps))
+
+    def _norm_if_engine_does_not(self) -> Optional[float]:
+        """The grad norm for ZeRO-0 fp32 with clipping, which DeepSpeed does not report.
+
+        Under ZeRO-0 the gradients are complete and all-reduced by the end of
+        the boundary backward, so the norm is the same on every rank.
+        """
+        if self.clip_max_norm <= 0 or self.engine.zero_optimization() \
+                or self.engine.fp16_enabled() or self.engine.bfloat16_enabled():
+            return None
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if not grads:
+            return None
+        return float(torch.nn.utils.get_total_norm(grads))
+
+    def zero_grad(self, **kwargs: Any) -> None:
+        """Clear gradients through DeepSpeed (it also does so after each update)."""
+        inner = self.engine.optimizer
+        if inner is not None and hasattr(inner, 'zero_grad'):
+            inner.zero_grad(**kwargs)
+        else:
+            self.engine.zero_grad()
+
+    @contextmanager
+    def optim_context(self, model: nn.Module) -> Iterator[None]:
+        """No-op: DeepSpeed decides when gradients are reduced.
+
+        MMEngine's version enters ``model.no_sync()`` between boundaries,
+        which DeepSpeed refuses under ZeRO-2/3 and does not need.
+        """
+        yield

@@ -1,0 +1,294 @@
+"""DeepSpeedRunner: MMEngine's Runner with a DeepSpeed engine in place of DDP.
+
+MMEngine wraps the model in ``Runner.__init__`` but builds the optimizer only
+in ``train()``; ``deepspeed.initialize`` needs both at once. This runner owns
+that ordering in one place, ``_build_engine``:
+
+1. the model is built by MMEngine and left unwrapped in ``__init__``;
+2. ``init_weights()`` runs once, before anything is partitioned;
+3. the optimizer is built from ``optim_wrapper`` by MMEngine's own machinery
+   (``paramwise_cfg``, custom constructors, ``auto_scale_lr``);
+4. the ds_config is resolved against the MMEngine config (``config.py``);
+5. ``deepspeed.initialize`` returns the engine, which becomes
+   ``runner.model`` (a :class:`DeepSpeedEngineWrapper`) and
+   ``runner.optim_wrapper`` (a :class:`DeepSpeedOptimWrapper`).
+
+Param schedulers are built afterwards by MMEngine on the DeepSpeed optim
+wrapper, so they drive the learning rate DeepSpeed steps with. ``val()`` and
+``test()`` without training build an engine without an optimizer.
+"""
+from __future__ import annotations
+
+import inspect
+import os.path as osp
+from typing import Any, Optional, Union
+
+import deepspeed
+import torch
+from mmengine.config import Config
+from mmengine.model import convert_sync_batchnorm, is_model_wrapper, revert_sync_batchnorm
+from mmengine.optim import OptimWrapper, OptimWrapperDict
+from mmengine.registry import RUNNERS
+from mmengine.runner import Runner
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from .config import (DsConfigSource, MMEngineSide, precision,
+                     resolve_ds_config, zero_stage)
+from .dist import cuda_available, init_distributed
+from .engine import DeepSpeedEngineWrapper
+from .optim_wrapper import DeepSpeedOptimWrapper
+
+# torch optimizers that update each element from its own gradient and state
+# only, and therefore behave the same on ZeRO's flattened partitions. DeepSpeed
+# asks for ``zero_allow_untested_optimizer`` for all but Adam(W)/Adagrad; for
+# these we set it, for anything else (LARS, LAMB, Shampoo...) the user decides.
+ELEMENTWISE_OPTIMIZERS = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+    torch.optim.Adadelta, torch.optim.Adamax, torch.optim.RMSprop, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop,
+)
+
+CAST_DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': None}
+
+
+def _has_running_stats(model: nn.Module) -> bool:
+    # BatchNorm*/SyncBatchNorm/InstanceNorm* (and mmcv's variants) by their
+    # public attributes rather than torch's private base class.
+    return any(getattr(m, 'track_running_stats', False)
+               and isinstance(getattr(m, 'running_mean', None), torch.Tensor)
+               for m in model.modules())
+
+
+def match_norm_buffers(ds_config: dict, model: nn.Module) -> None:
+    """Cast buffers to the compute dtype when the model has BatchNorm-style layers.
+
+    DeepSpeed 0.19 casts parameters to bf16/fp16 but leaves buffers in fp32
+    unless ``data_types.buffer_dtype`` says otherwise. A BatchNorm then gets
+    bf16 weights with fp32 running statistics and fails ("expected scalar
+    type BFloat16 but found Float"). An explicit ``buffer_dtype`` is kept.
+
+    Args:
+        ds_config (dict): The resolved config, updated in place.
+        model (nn.Module): The model about to be wrapped.
+    """
+    mode = precision(ds_config)
+    if mode == 'fp32' or not _has_running_stats(model):
+        return
+    data_types = ds_config.setdefault('data_types', {})
+    data_types.setdefault('buffer_dtype', mode)
+
+ENGINE_KEY = 'model'
+
+
+def _batch_size(dataloader: Any) -> Optional[int]:
+    if isinstance(dataloader, DataLoader):
+        return dataloader.batch_size
+    if isinstance(dataloader, dict):
+        return dataloader.get('batch_size')
+    return None
+
+
+def mmengine_side(train_dataloader: Any, optim_wrapper: Any,
+                  param_scheduler: Any) -> MMEngineSide:
+    """What the MMEngine config says about batch, accumulation and clipping.
+
+    Args:
+        train_dataloader (DataLoader | dict | None): Runner argument.
+        optim_wrapper (OptimWrapper | dict | None): Runner argument.
+        param_scheduler (Any): Runner argument.
+
+    Returns:
+        MMEngineSide: The overlap with the ds_config.
+    """
+    if isinstance(optim_wrapper, OptimWrapperDict) or (
+            isinstance(optim_wrapper, dict) and optim_wrapper
+            and 'optimizer' not in optim_wrapper and 'constructor' not in optim_wrapper):
+        raise ValueError(
+            'optim_wrapper defines several optimizers (an OptimWrapperDict); DeepSpeedRunner '
+            'supports one optimizer for now. Merge them into one optim_wrapper with '
+            'paramwise_cfg, or train this model with MMEngine\'s Runner.')
+    if isinstance(optim_wrapper, OptimWrapper):
+        clip = optim_wrapper.clip_grad_kwargs
+        if clip and getattr(optim_wrapper, 'grad_name', 'grad_norm') == 'grad_value':
+            clip = dict(clip, type='value')
+        return MMEngineSide(
+            batch_size=_batch_size(train_dataloader),
+            accumulative_counts=optim_wrapper._accumulative_counts,
+            clip_grad=clip or None,
+            optim_wrapper_type=type(optim_wrapper).__name__,
+            has_optim_wrapper=True,
+            has_param_scheduler=param_scheduler is not None)
+    wrapper_cfg = optim_wrapper or {}
+    return MMEngineSide(
+        batch_size=_batch_size(train_dataloader),
+        accumulative_counts=wrapper_cfg.get('accumulative_counts'),
+        clip_grad=wrapper_cfg.get('clip_grad'),
+        optim_wrapper_type=wrapper_cfg.get('type'),
+        has_optim_wrapper=optim_wrapper is not None,
+        has_param_scheduler=param_scheduler is not None)
+
+
+@RUNNERS.register_module()
+class DeepSpeedRunner(Runner):
+    """A :class:`mmengine.runner.Runner` that trains through DeepSpeed.
+
+    Takes every ``Runner`` argument plus ``ds_config``. With
+    ``runner_type='DeepSpeedRunner'`` in a config, ``RUNNERS.build(cfg)``
+    and ``DeepSpeedRunner.from_cfg(cfg)`` read ``cfg.ds_config``.
+
+    Args:
+        *args: Positional arguments of :class:`mmengine.runner.Runner`.
+        ds_config (dict | str, optional): The DeepSpeed config, or the path of
+            a JSON file (relative to the working directory or to the config
+            file). ``"auto"`` values are filled from the MMEngine config. None
+            reads ``cfg.ds_config``, and without one uses DeepSpeed's defaults
+            (ZeRO-0, fp32). Defaults to None.
+        **kwargs: Keyword arguments of :class:`mmengine.runner.Runner`.
+    """
+
+    def __init__(self, *args: Any, ds_config: DsConfigSource = None, **kwargs: Any):
+        bound = inspect.signature(Runner.__init__).bind(self, *args, **kwargs)
+        arguments = bound.arguments
+        cfg = arguments.get('cfg')
+        cfg = Config(cfg) if isinstance(cfg, dict) and not isinstance(cfg, Config) else cfg
+        if ds_config is None and cfg is not None:
+            ds_config = cfg.get('ds_config')
+        filename = getattr(cfg, 'filename', None)
+        self._ds_config_source = ds_config
+        self._config_dir = osp.dirname(osp.abspath(filename)) if filename else None
+        self._side = mmengine_side(arguments.get('train_dataloader'),
+                                   arguments.get('optim_wrapper'),
+                                   arguments.get('param_scheduler'))
+        # Refuse a bad ds_config before any process group or file exists.
+        self._resolve_ds_config(world_size=None)
+        self._weights_initialized = False
+        self.engines: dict[str, deepspeed.DeepSpeedEngine] = {}
+        self.ds_config: dict = {}
+        super().__init__(*args, **kwargs)
+
+    def _resolve_ds_config(self, world_size: Optional[int]) -> dict:
+        return resolve_ds_config(self._ds_config_source, self._side, world_size=world_size,
+                                 cuda_available=cuda_available(),
+                                 config_dir=self._config_dir)
+
+    def setup_env(self, env_cfg: dict) -> None:
+        """Create the process group (CPU-safe, with a timeout), then MMEngine's setup.
+
+        MMEngine's ``init_dist`` calls ``torch.cuda.set_device``
+        unconditionally; with the group already up, ``Runner.setup_env`` skips
+        it. Launcher ``'none'`` gets a one-process group, which DeepSpeed needs.
+        """
+        init_distributed(self.launcher, env_cfg.get('dist_cfg'))
+        super().setup_env(env_cfg)
+
+    def wrap_model(self, model_wrapper_cfg: Optional[dict], model: nn.Module) -> nn.Module:
+        """Leave the model unwrapped: the engine needs the optimizer, built later.
+
+        Args:
+            model_wrapper_cfg (dict, optional): Ignored with a warning; DDP
+                options have no meaning under DeepSpeed.
+            model (nn.Module): The built model.
+
+        Returns:
+            nn.Module: The model, SyncBN reverted for a single process.
+        """
+        if is_model_wrapper(model):
+            raise TypeError(
+                f'model is already wrapped in {type(model).__name__}; pass the bare model, '
+                'DeepSpeedRunner wraps it in a DeepSpeed engine.')
+        if model_wrapper_cfg is not None:
+            self.logger.warning(
+                f'model_wrapper_cfg={model_wrapper_cfg} is ignored: DeepSpeedRunner wraps the '
+                'model in a DeepSpeed engine, configured by ds_config.')
+        if self.world_size == 1:
+            return revert_sync_batchnorm(model)
+        sync_bn = self.cfg.get('sync_bn', None)
+        return convert_sync_batchnorm(model, sync_bn) if sync_bn is not None else model
+
+    @property
+    def bare_model(self) -> nn.Module:
+        """The user's model, wrapped or not."""
+        return self.model.module if is_model_wrapper(self.model) else self.model
+
+    def _init_model_weights(self) -> None:
+        """Run ``init_weights()`` once, before DeepSpeed partitions anything.
+
+        MMEngine calls this after building the optimizer; under ZeRO-3 the
+        parameters are partitioned by then, so the runner calls it earlier
+        (see :meth:`build_optim_wrapper`) and this later call does nothing.
+        """
+        if self._weights_initialized:
+            return
+        if self.engines:
+            raise RuntimeError('init_weights() must run before the DeepSpeed engine is built.')
+        model = self.bare_model
+        if hasattr(model, 'init_weights'):
+            model.init_weights()
+        self._weights_initialized = True
+
+    def build_optim_wrapper(
+        self, optim_wrapper: Union[Optimizer, OptimWrapper, dict]
+    ) -> Union[OptimWrapper, OptimWrapperDict]:
+        """Build the optimizer with MMEngine, then the engine around it.
+
+        Args:
+            optim_wrapper (Optimizer | OptimWrapper | dict): The
+                ``optim_wrapper`` argument.
+
+        Returns:
+            DeepSpeedOptimWrapper: The wrapper the train loop steps with.
+        """
+        if isinstance(optim_wrapper, DeepSpeedOptimWrapper):
+            return optim_wrapper
+        self._init_model_weights()
+        if isinstance(optim_wrapper, dict):
+            optim_wrapper = dict(optim_wrapper, type='OptimWrapper')
+        built = super().build_optim_wrapper(optim_wrapper)
+        if isinstance(built, OptimWrapperDict):
+            raise TypeError(
+                'The optim_wrapper constructor built several optimizers (an OptimWrapperDict); '
+                'DeepSpeedRunner supports one optimizer for now.')
+        engine = self._build_engine(built.optimizer)
+        return DeepSpeedOptimWrapper(
+            engine, built.optimizer,
+            accumulative_counts=self.ds_config['gradient_accumulation_steps'],
+            clip_max_norm=float(self.ds_config['gradient_clipping']))
+
+    def _build_engine(self, optimizer: Optional[Optimizer]) -> deepspeed.DeepSpeedEngine:
+        """``deepspeed.initialize`` on the bare model; ``runner.model`` becomes its wrapper."""
+        if self.engines:
+            raise RuntimeError(
+                'The DeepSpeed engine was already built without an optimizer by val()/test(); '
+                'call train() first, or build a new runner for training.')
+        ds_config = self._resolve_ds_config(world_size=self.world_size)
+        if optimizer is not None and isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+            ds_config.setdefault('zero_allow_untested_optimizer', True)
+        model = self.bare_model
+        match_norm_buffers(ds_config, model)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.ds_config = ds_config
+        self.engines[ENGINE_KEY] = engine
+        self.model = DeepSpeedEngineWrapper(engine, CAST_DTYPES[precision(ds_config)])
+        self.logger.info(
+            f'DeepSpeed engine ready: ZeRO-{zero_stage(ds_config)}, {precision(ds_config)}, '
+            f'world size {self.world_size}, micro batch '
+            f'{ds_config["train_micro_batch_size_per_gpu"]}, accumulation '
+            f'{ds_config["gradient_accumulation_steps"]}, '
+            f'{"with" if optimizer is not None else "without"} optimizer.')
+        return engine
+
+    def _ensure_engine(self) -> None:
+        if not self.engines:
+            self._build_engine(optimizer=None)
+
+    def val(self) -> dict:
+        """Validate; without prior training, through an engine without optimizer."""
+        self._ensure_engine()
+        return super().val()
+
+    def test(self) -> dict:
+        """Test; without prior training, through an engine without optimizer."""
+        self._ensure_engine()
+        return super().test()

@@ -1,0 +1,249 @@
+"""Shared test helpers: a torchrun launcher and toy MMEngine components.
+
+The toy model has what real OpenMMLab models have and integrations get wrong:
+BatchNorm buffers, a frozen parameter, a custom data preprocessor, a loss dict
+parsed by ``BaseModel.parse_losses`` and a ``predict`` mode scored by a metric.
+Importing this module registers the components, so configs can name them.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+from mmengine.evaluator import BaseMetric
+from mmengine.hooks import Hook
+from mmengine.model import BaseDataPreprocessor, BaseModel
+from mmengine.registry import DATASETS, HOOKS, METRICS, MODELS
+from torch import nn
+from torch.utils.data import Dataset
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IN_FEATURES = 8
+NUM_CLASSES = 4
+
+
+def free_port() -> int:
+    """A loopback TCP port that is free now (each multi-rank test takes its own)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(('127.0.0.1', 0))
+        return int(s.getsockname()[1])
+
+
+def test_env() -> dict[str, str]:
+    """Environment for child processes: repo importable, one thread per rank."""
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join([REPO_ROOT, env.get('PYTHONPATH', '')])
+    env['OMP_NUM_THREADS'] = '1'
+    env.pop('RANK', None)
+    env.pop('WORLD_SIZE', None)
+    return env
+
+
+def run_torchrun(args: Sequence[str], nproc: int = 2, timeout: float = 240,
+                 extra_env: Optional[dict[str, str]] = None,
+                 torchrun_args: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """Run ``python -m torch.distributed.run`` on a unique port, killed on timeout.
+
+    torchrun tears the whole group down when one rank fails; the timeout
+    covers a hang, killing the process group so no rank outlives the test.
+
+    Args:
+        args (Sequence[str]): The script and its arguments.
+        nproc (int): Processes per node. Defaults to 2.
+        timeout (float): Seconds before everything is killed. Defaults to 240.
+        extra_env (dict, optional): Added to the environment. Defaults to None.
+        torchrun_args (Sequence[str]): Extra torchrun options. Defaults to ().
+
+    Returns:
+        subprocess.CompletedProcess: With ``stdout`` (stderr merged) as text.
+    """
+    cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}',
+           '--master_addr=127.0.0.1', f'--master_port={free_port()}', *torchrun_args, *args]
+    return run_command(cmd, timeout=timeout, extra_env=extra_env)
+
+
+def run_command(cmd: Sequence[str], timeout: float = 240,
+                extra_env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; kill the group if it outlives ``timeout``."""
+    env = test_env()
+    env.update(extra_env or {})
+    proc = subprocess.Popen(list(cmd), cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f'{cmd} timed out after {timeout}s:\n{out[-6000:]}') from None
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, None)
+
+
+@DATASETS.register_module()
+class ToyDataset(Dataset):
+    """A fixed, learnable classification problem: the label is an argmax."""
+
+    def __init__(self, size: int = 64, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.inputs = torch.rand(size, IN_FEATURES, generator=gen)
+        weight = torch.randn(IN_FEATURES, NUM_CLASSES, generator=gen)
+        self.labels = (self.inputs @ weight).argmax(dim=1)
+        self.metainfo: dict[str, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return dict(inputs=self.inputs[index], labels=self.labels[index])
+
+
+@MODELS.register_module()
+class ToyPreprocessor(BaseDataPreprocessor):
+    """Moves the batch to the model's device and centres the inputs."""
+
+    def forward(self, data: dict, training: bool = False) -> dict:
+        data = self.cast_data(data)
+        return dict(inputs=(data['inputs'] - 0.5) * 2.0, labels=data['labels'])
+
+
+@MODELS.register_module()
+class ToyModel(BaseModel):
+    """MLP classifier with an optional BatchNorm and a frozen scale parameter.
+
+    Args:
+        with_bn (bool): Put a BatchNorm1d (running-stat buffers) after the
+            first layer. Off for exact parity with a one-process run, since
+            per-rank batch statistics differ from whole-batch ones.
+            Defaults to True.
+        hidden (int): Hidden width. Defaults to 16.
+    """
+
+    def __init__(self, with_bn: bool = True, hidden: int = 16,
+                 data_preprocessor: Optional[dict] = None):
+        super().__init__(data_preprocessor=data_preprocessor or dict(type='ToyPreprocessor'))
+        self.fc1 = nn.Linear(IN_FEATURES, hidden)
+        self.norm = nn.BatchNorm1d(hidden) if with_bn else nn.Identity()
+        self.fc2 = nn.Linear(hidden, NUM_CLASSES)
+        self.frozen = nn.Parameter(torch.full((NUM_CLASSES,), 0.5), requires_grad=False)
+
+    def init_weights(self) -> None:
+        """Deterministic init, so every run of a test starts from the same point."""
+        gen = torch.Generator().manual_seed(1234)
+        for layer in (self.fc1, self.fc2):
+            with torch.no_grad():
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) * 0.3)
+                layer.bias.zero_()
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        logits = self.fc2(torch.relu(self.norm(self.fc1(inputs)))) + self.frozen
+        if mode == 'loss':
+            loss = nn.functional.cross_entropy(logits.float(), labels)
+            return dict(loss=loss, acc=(logits.argmax(1) == labels).float().mean().detach())
+        if mode == 'predict':
+            return [dict(pred=p, label=t) for p, t in zip(logits.argmax(1), labels)]
+        return logits
+
+
+@METRICS.register_module()
+class ToyAccuracy(BaseMetric):
+    """Accuracy over the whole validation set (gathered across ranks)."""
+
+    def process(self, data_batch: Any, data_samples: Sequence[dict]) -> None:
+        for sample in data_samples:
+            self.results.append(float(sample['pred'] == sample['label']))
+
+    def compute_metrics(self, results: list) -> dict[str, float]:
+        return dict(accuracy=sum(results) / max(len(results), 1))
+
+
+def toy_config(work_dir: str, *, ds_config: Optional[dict] = None, max_iters: int = 8,
+               batch_size: int = 4, by_epoch: bool = False, max_epochs: int = 2,
+               optimizer: Optional[dict] = None, accumulative_counts: Optional[int] = None,
+               clip_grad: Optional[dict] = None, with_bn: bool = True,
+               param_scheduler: Any = 'default', val: bool = True,
+               dataset_size: int = 32, seed: int = 42) -> dict:
+    """A complete MMEngine runner config for the toy problem.
+
+    Returns:
+        dict: Keyword arguments of ``Runner`` (``cfg`` style).
+    """
+    optim_wrapper: dict = dict(type='OptimWrapper',
+                               optimizer=optimizer or dict(type='SGD', lr=0.1, momentum=0.9))
+    if accumulative_counts is not None:
+        optim_wrapper['accumulative_counts'] = accumulative_counts
+    if clip_grad is not None:
+        optim_wrapper['clip_grad'] = clip_grad
+    if param_scheduler == 'default':
+        param_scheduler = [
+            dict(type='LinearLR', start_factor=0.5, by_epoch=False, begin=0, end=3),
+            dict(type='MultiStepLR', milestones=[5], gamma=0.5, by_epoch=False),
+        ]
+    train_cfg = (dict(by_epoch=True, max_epochs=max_epochs, val_interval=1) if by_epoch
+                 else dict(by_epoch=False, max_iters=max_iters, val_interval=max_iters))
+    cfg: dict = dict(
+        model=dict(type='ToyModel', with_bn=with_bn),
+        work_dir=work_dir,
+        train_dataloader=dict(
+            batch_size=batch_size, num_workers=0,
+            dataset=dict(type='ToyDataset', size=dataset_size),
+            sampler=dict(type='DefaultSampler', shuffle=True, seed=seed),
+            collate_fn=dict(type='default_collate')),
+        train_cfg=train_cfg,
+        optim_wrapper=optim_wrapper,
+        param_scheduler=param_scheduler,
+        default_hooks=dict(logger=dict(type='LoggerHook', interval=1), checkpoint=None),
+        custom_hooks=[dict(type='RecorderHook')],
+        randomness=dict(seed=seed),
+        log_level='WARNING',
+        env_cfg=dict(dist_cfg=dict(backend='gloo', timeout=60)),
+    )
+    if val:
+        cfg.update(
+            val_dataloader=dict(
+                batch_size=4, num_workers=0, dataset=dict(type='ToyDataset', size=16, seed=1),
+                sampler=dict(type='DefaultSampler', shuffle=False),
+                collate_fn=dict(type='default_collate')),
+            val_cfg=dict(),
+            val_evaluator=dict(type='ToyAccuracy'))
+    if ds_config is not None:
+        cfg['ds_config'] = ds_config
+    if param_scheduler is None:
+        cfg.pop('param_scheduler')
+    return cfg
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` as fp32 CPU tensors."""
+    return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+
+
+@HOOKS.register_module()
+class RecorderHook(Hook):
+    """Records the loss and learning rate of every iteration and the val metrics."""
+
+    priority = 'VERY_LOW'
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.lrs: list[float] = []
+        self.metrics: list[dict] = []
+
+    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
+                         outputs: Optional[dict] = None) -> None:
+        assert outputs is not None
+        self.losses.append(float(outputs['loss'].detach()))
+        self.lrs.append(float(runner.optim_wrapper.get_lr()['lr'][0]))
+
+    def after_val_epoch(self, runner: Any, metrics: Optional[dict] = None) -> None:
+        self.metrics.append({k: float(v) for k, v in (metrics or {}).items()})
+
+
+def recorder(runner: Any) -> RecorderHook:
+    """The runner's RecorderHook."""
+    return next(h for h in runner.hooks if isinstance(h, RecorderHook))
