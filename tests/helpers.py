@@ -150,6 +150,19 @@ class ToyModel(BaseModel):
         return logits
 
 
+@MODELS.register_module()
+class ToyCustomStepModel(ToyModel):
+    """Overrides ``train_step`` (as GANs do) and steps the optim wrapper itself."""
+
+    def train_step(self, data: dict, optim_wrapper: Any) -> dict[str, torch.Tensor]:
+        batch = self.data_preprocessor(data, True)
+        losses = self(**batch, mode='loss')
+        loss, log_vars = self.parse_losses(losses)
+        optim_wrapper.update_params(loss)
+        log_vars['custom_step'] = torch.tensor(1.0)
+        return log_vars
+
+
 @METRICS.register_module()
 class ToyAccuracy(BaseMetric):
     """Accuracy over the whole validation set (gathered across ranks)."""
@@ -165,7 +178,8 @@ class ToyAccuracy(BaseMetric):
 def toy_config(work_dir: str, *, ds_config: Optional[dict] = None, max_iters: int = 8,
                batch_size: int = 4, by_epoch: bool = False, max_epochs: int = 2,
                optimizer: Optional[dict] = None, accumulative_counts: Optional[int] = None,
-               clip_grad: Optional[dict] = None, with_bn: bool = True,
+               clip_grad: Optional[dict] = None, paramwise_cfg: Optional[dict] = None,
+               model: Optional[dict] = None, with_bn: bool = True,
                param_scheduler: Any = 'default', val: bool = True,
                dataset_size: int = 32, seed: int = 42) -> dict:
     """A complete MMEngine runner config for the toy problem.
@@ -179,6 +193,8 @@ def toy_config(work_dir: str, *, ds_config: Optional[dict] = None, max_iters: in
         optim_wrapper['accumulative_counts'] = accumulative_counts
     if clip_grad is not None:
         optim_wrapper['clip_grad'] = clip_grad
+    if paramwise_cfg is not None:
+        optim_wrapper['paramwise_cfg'] = paramwise_cfg
     if param_scheduler == 'default':
         param_scheduler = [
             dict(type='LinearLR', start_factor=0.5, by_epoch=False, begin=0, end=3),
@@ -187,7 +203,7 @@ def toy_config(work_dir: str, *, ds_config: Optional[dict] = None, max_iters: in
     train_cfg = (dict(by_epoch=True, max_epochs=max_epochs, val_interval=1) if by_epoch
                  else dict(by_epoch=False, max_iters=max_iters, val_interval=max_iters))
     cfg: dict = dict(
-        model=dict(type='ToyModel', with_bn=with_bn),
+        model=model or dict(type='ToyModel', with_bn=with_bn),
         work_dir=work_dir,
         train_dataloader=dict(
             batch_size=batch_size, num_workers=0,
