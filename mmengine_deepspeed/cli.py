@@ -39,9 +39,9 @@ def train(config: str, work_dir: Optional[str], launcher: str, cfg_options: dict
         launcher (str): ``none``, ``pytorch``, ``slurm`` or ``mpi``.
         cfg_options (dict): Dotted-key overrides.
     """
-    import mmengine_deepspeed  # noqa: F401  registers DeepSpeedRunner
-
     from mmengine.registry import RUNNERS
+
+    import mmengine_deepspeed  # noqa: F401  registers DeepSpeedRunner
 
     if not osp.isfile(config):
         raise FileNotFoundError(f'config file not found: {config!r}')

@@ -95,7 +95,7 @@ class DeepSpeedEngineWrapper(nn.Module):
         """
         module = self.module
         if _overrides(module, 'train_step'):
-            return module.train_step(data, optim_wrapper)
+            return getattr(module, 'train_step')(data, optim_wrapper)  # noqa: B009
         assert isinstance(module, BaseModel)
         with optim_wrapper.optim_context(self):
             batch = module.data_preprocessor(data, True)

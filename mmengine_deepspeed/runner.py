@@ -34,8 +34,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from .config import (DsConfigSource, MMEngineSide, precision,
-                     resolve_ds_config, zero_stage)
+from .config import DsConfigSource, MMEngineSide, precision, resolve_ds_config, zero_stage
 from .dist import cuda_available, init_distributed
 from .engine import DeepSpeedEngineWrapper
 from .optim_wrapper import DeepSpeedOptimWrapper
@@ -225,7 +224,7 @@ class DeepSpeedRunner(Runner):
             raise RuntimeError('init_weights() must run before the DeepSpeed engine is built.')
         model = self.bare_model
         if hasattr(model, 'init_weights'):
-            model.init_weights()
+            getattr(model, 'init_weights')()  # noqa: B009  (nn.Module typing)
         self._weights_initialized = True
 
     def build_optim_wrapper(

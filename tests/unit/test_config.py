@@ -7,8 +7,15 @@ from typing import Any
 import pytest
 from mmengine.config import ConfigDict
 
-from mmengine_deepspeed.config import (DsConfigError, MMEngineSide, get_value, load_ds_config,
-                                       precision, resolve_ds_config, zero_stage)
+from mmengine_deepspeed.config import (
+    DsConfigError,
+    MMEngineSide,
+    get_value,
+    load_ds_config,
+    precision,
+    resolve_ds_config,
+    zero_stage,
+)
 
 TRAINING = MMEngineSide(batch_size=4, has_optim_wrapper=True, has_param_scheduler=True)
 

@@ -13,7 +13,7 @@ def test_mmengine_deepspeed_optimizer_registration_is_broken() -> None:
     """Pins the trap: MMEngine's registration imports a module DeepSpeed 0.19 removed."""
     from mmengine._strategy.deepspeed import register_deepspeed_optimizers
 
-    with pytest.raises(ModuleNotFoundError, match='deepspeed.runtime.fp16.onebit'):
+    with pytest.raises(ModuleNotFoundError, match=r'deepspeed\.runtime\.fp16\.onebit'):
         register_deepspeed_optimizers()
 
 
