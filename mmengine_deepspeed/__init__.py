@@ -8,19 +8,19 @@ needs only ``custom_imports``, ``runner_type`` and ``ds_config``.
 It never imports MMEngine's ``DeepSpeedStrategy`` machinery, whose optimizer
 registration imports a module DeepSpeed 0.19 removed.
 """
+from .checkpoint import CheckpointError, export_checkpoint
 from .config import DsConfigError, MMEngineSide, resolve_ds_config
 from .dist import init_distributed
 from .engine import DeepSpeedEngineWrapper
 from .optim_wrapper import DeepSpeedOptimWrapper
 from .optimizers import register_deepspeed_optimizers
 from .runner import DeepSpeedRunner
-
-__version__ = '0.1.0'
+from .version import __version__
 
 register_deepspeed_optimizers()
 
 __all__ = [
-    'DeepSpeedEngineWrapper', 'DeepSpeedOptimWrapper', 'DeepSpeedRunner', 'DsConfigError',
-    'MMEngineSide', '__version__', 'init_distributed', 'register_deepspeed_optimizers',
-    'resolve_ds_config',
+    'CheckpointError', 'DeepSpeedEngineWrapper', 'DeepSpeedOptimWrapper', 'DeepSpeedRunner', 'DsConfigError',
+    'MMEngineSide', '__version__', 'init_distributed', 'export_checkpoint',
+    'register_deepspeed_optimizers', 'resolve_ds_config',
 ]

@@ -34,6 +34,8 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from .checkpoint import io as ckpt_io
+from .checkpoint.layout import find_latest_complete
 from .config import DsConfigSource, MMEngineSide, precision, resolve_ds_config, zero_stage
 from .dist import cuda_available, init_distributed
 from .engine import DeepSpeedEngineWrapper
@@ -144,16 +146,26 @@ class DeepSpeedRunner(Runner):
             file). ``"auto"`` values are filled from the MMEngine config. None
             reads ``cfg.ds_config``, and without one uses DeepSpeed's defaults
             (ZeRO-0, fp32). Defaults to None.
+        allow_unsafe_checkpoints (bool, optional): Load checkpoints with full
+            unpickling, for files from a source you trust that hold objects
+            beyond tensors and plain types. None reads
+            ``cfg.allow_unsafe_checkpoints`` (default False).
+            Defaults to None.
         **kwargs: Keyword arguments of :class:`mmengine.runner.Runner`.
     """
 
-    def __init__(self, *args: Any, ds_config: DsConfigSource = None, **kwargs: Any):
+    def __init__(self, *args: Any, ds_config: DsConfigSource = None,
+                 allow_unsafe_checkpoints: Optional[bool] = None, **kwargs: Any):
         bound = inspect.signature(Runner.__init__).bind(self, *args, **kwargs)
         arguments = bound.arguments
         cfg = arguments.get('cfg')
         cfg = Config(cfg) if isinstance(cfg, dict) and not isinstance(cfg, Config) else cfg
         if ds_config is None and cfg is not None:
             ds_config = cfg.get('ds_config')
+        if allow_unsafe_checkpoints is None:
+            allow_unsafe_checkpoints = bool(cfg.get('allow_unsafe_checkpoints', False)) \
+                if cfg is not None else False
+        self.allow_unsafe_checkpoints = allow_unsafe_checkpoints
         filename = getattr(cfg, 'filename', None)
         self._ds_config_source = ds_config
         self._config_dir = osp.dirname(osp.abspath(filename)) if filename else None
@@ -265,6 +277,13 @@ class DeepSpeedRunner(Runner):
         if optimizer is not None and isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
             ds_config.setdefault('zero_allow_untested_optimizer', True)
         model = self.bare_model
+        if self._load_from is not None and not self._resume and not self._has_loaded:
+            # Plain weights go into the bare model, so ZeRO-3 partitions them.
+            checkpoint = ckpt_io.load_weights_into(
+                model, self._load_from, strict=False, revise_keys=[(r'^module\.', '')],
+                allow_unsafe=self.allow_unsafe_checkpoints, logger=self.logger)
+            self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
+            self._has_loaded = True
         match_norm_buffers(ds_config, model)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.ds_config = ds_config
@@ -291,3 +310,70 @@ class DeepSpeedRunner(Runner):
         """Test; without prior training, through an engine without optimizer."""
         self._ensure_engine()
         return super().test()
+
+    def save_checkpoint(self, out_dir: str, filename: str,
+                        file_client_args: Optional[dict] = None, save_optimizer: bool = True,
+                        save_param_scheduler: bool = True, meta: Optional[dict] = None,
+                        by_epoch: bool = True, backend_args: Optional[dict] = None) -> None:
+        """Save a checkpoint directory on every rank (MMEngine's is rank 0 only).
+
+        Called by CheckpointHook on all ranks; arguments as
+        :meth:`mmengine.runner.Runner.save_checkpoint`. DeepSpeed always
+        writes the optimizer partitions, so ``save_optimizer=False`` still
+        saves them.
+        """
+        if file_client_args is not None or backend_args is not None:
+            raise ValueError('DeepSpeedRunner saves checkpoints to a local (or mounted) '
+                             'directory; remove file_client_args / backend_args.')
+        if not self.engines:
+            raise RuntimeError('There is no DeepSpeed engine to save yet; call train() first.')
+        meta = dict(meta or {})
+        if by_epoch:
+            meta.setdefault('epoch', self.epoch + 1)
+            meta.setdefault('iter', self.iter)
+        else:
+            meta.setdefault('epoch', self.epoch)
+            meta.setdefault('iter', self.iter + 1)
+        ckpt_io.save(self, osp.join(out_dir, filename), meta, save_param_scheduler)
+
+    def resume(self, filename: str, resume_optimizer: bool = True,
+               resume_param_scheduler: bool = True, map_location: Any = 'default') -> None:
+        """Resume everything from checkpoint directory ``filename`` (collective).
+
+        Engine (weights and optimizer partitions), loop position, param
+        schedulers, message hub, this rank's RNG state and hooks' state come
+        back exactly. ``resume_optimizer``, ``resume_param_scheduler`` and
+        ``map_location`` are accepted for MMEngine compatibility; DeepSpeed
+        places the state itself.
+        """
+        self._ensure_engine()
+        client = ckpt_io.resume(self, filename, self.allow_unsafe_checkpoints)
+        resumed_seed = client['meta'].get('seed')
+        if resumed_seed is not None and resumed_seed != self._randomness_cfg.get('seed'):
+            self.logger.warning(f'Resumed seed {resumed_seed} differs from the config seed '
+                                f'{self._randomness_cfg.get("seed")}; the checkpoint\'s is kept.')
+        self._has_loaded = True
+        self.logger.info(f'Resumed from {filename}: epoch {self.epoch}, iter {self.iter}')
+
+    def load_or_resume(self) -> None:
+        """Resume (latest complete checkpoint, or ``load_from``) or load weights.
+
+        Incomplete checkpoint directories (a save that was killed) are
+        skipped with a warning.
+        """
+        if self._has_loaded:
+            return
+        if self._resume:
+            path = self._load_from
+            if path is None:
+                path, skipped = find_latest_complete(self.work_dir)
+                for incomplete in skipped:
+                    self.logger.warning(f'Skipping incomplete checkpoint {incomplete} '
+                                        '(its save did not finish).')
+            if path is not None:
+                self.resume(path)
+            else:
+                self.logger.info(f'resume=True but no complete checkpoint in {self.work_dir}; '
+                                 'starting from scratch.')
+        # load_from without resume was applied to the bare model in _build_engine.
+        self._has_loaded = True

@@ -181,8 +181,12 @@ def toy_config(work_dir: str, *, ds_config: Optional[dict] = None, max_iters: in
                clip_grad: Optional[dict] = None, paramwise_cfg: Optional[dict] = None,
                model: Optional[dict] = None, with_bn: bool = True,
                param_scheduler: Any = 'default', val: bool = True,
-               dataset_size: int = 32, seed: int = 42) -> dict:
+               dataset_size: int = 32, seed: int = 42, checkpoint: Optional[dict] = None,
+               **extra: Any) -> dict:
     """A complete MMEngine runner config for the toy problem.
+
+    ``checkpoint`` configures CheckpointHook (off by default); ``extra``
+    keys (``resume``, ``load_from``...) are added to the config as they are.
 
     Returns:
         dict: Keyword arguments of ``Runner`` (``cfg`` style).
@@ -213,7 +217,7 @@ def toy_config(work_dir: str, *, ds_config: Optional[dict] = None, max_iters: in
         train_cfg=train_cfg,
         optim_wrapper=optim_wrapper,
         param_scheduler=param_scheduler,
-        default_hooks=dict(logger=dict(type='LoggerHook', interval=1), checkpoint=None),
+        default_hooks=dict(logger=dict(type='LoggerHook', interval=1), checkpoint=checkpoint),
         custom_hooks=[dict(type='RecorderHook')],
         randomness=dict(seed=seed),
         log_level='WARNING',
@@ -231,6 +235,7 @@ def toy_config(work_dir: str, *, ds_config: Optional[dict] = None, max_iters: in
         cfg['ds_config'] = ds_config
     if param_scheduler is None:
         cfg.pop('param_scheduler')
+    cfg.update(extra)
     return cfg
 
 

@@ -1,0 +1,90 @@
+"""Consolidated weights out of a checkpoint directory: for load_from and for export.
+
+Built on DeepSpeed's ``zero_to_fp32`` (ZeRO 1-3: the fp32 master partitions
+of every rank stitched together) and, for ZeRO-0, on the module weights the
+single model-states file holds. Runs on CPU without a process group.
+"""
+from __future__ import annotations
+
+import json
+import os.path as osp
+from typing import Any, Optional
+
+import torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+from .layout import DS_TAG, check_checkpoint, shard_files
+from .safe_load import check_pickles, safe_load
+
+DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
+ZERO0_MODEL_FILE = 'mp_rank_00_model_states.pt'
+
+
+def consolidated_state_dict(path: str, allow_unsafe: bool = False) -> dict[str, torch.Tensor]:
+    """The full model state dict (parameters and buffers) of checkpoint ``path``.
+
+    Args:
+        path (str): A complete checkpoint directory.
+        allow_unsafe (bool): Skip the pickle allow-list. Defaults to False.
+
+    Returns:
+        dict[str, torch.Tensor]: Keys as in ``model.state_dict()``, on CPU.
+    """
+    meta = check_checkpoint(path)
+    check_pickles(shard_files(path), allow_unsafe)
+    if meta['zero_stage'] == 0:
+        module = safe_load(osp.join(path, DS_TAG, ZERO0_MODEL_FILE), allow_unsafe)['module']
+        return {k: v.detach().cpu() for k, v in module.items()}
+    state = get_fp32_state_dict_from_zero_checkpoint(path, tag=DS_TAG)
+    return dict(state)
+
+
+def cast_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype,
+                    progress: bool = False) -> dict[str, torch.Tensor]:
+    """Floating tensors to ``dtype``; integer buffers unchanged; contiguous copies."""
+    items: Any = state.items()
+    if progress:
+        from tqdm import tqdm
+        items = tqdm(items, total=len(state), desc='convert', unit='tensor')
+    return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().clone()
+            for k, v in items}
+
+
+def export_checkpoint(path: str, out: str, dtype: str = 'fp32', safetensors: bool = False,
+                      allow_unsafe: bool = False, progress: Optional[bool] = None) -> str:
+    """Write checkpoint ``path`` as one weights file MMEngine loads without DeepSpeed.
+
+    The ``.pth`` holds ``{'meta': ..., 'state_dict': ...}`` (what
+    ``mmengine.runner.load_checkpoint`` expects); the safetensors file holds
+    the tensors with the meta as JSON in its metadata.
+
+    Args:
+        path (str): A complete checkpoint directory.
+        out (str): The file to write.
+        dtype (str): ``'fp32'``, ``'bf16'`` or ``'fp16'``. Defaults to
+            ``'fp32'``.
+        safetensors (bool): Write safetensors instead of a torch pickle.
+            Defaults to False.
+        allow_unsafe (bool): Skip the pickle allow-list. Defaults to False.
+        progress (bool, optional): Show a progress bar; None shows one for
+            checkpoints over 1 GiB. Defaults to None.
+
+    Returns:
+        str: ``out``.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f'dtype={dtype!r}: choose one of {sorted(DTYPES)}.')
+    if osp.isdir(out):
+        raise ValueError(f'{out!r} is a directory; give the path of the file to write.')
+    meta = check_checkpoint(path)
+    state = consolidated_state_dict(path, allow_unsafe)
+    if progress is None:
+        progress = sum(v.numel() * v.element_size() for v in state.values()) > 2**30
+    state = cast_state_dict(state, DTYPES[dtype], progress)
+    meta = dict(meta, exported_dtype=dtype)
+    if safetensors:
+        from safetensors.torch import save_file
+        save_file(state, out, metadata={'meta': json.dumps(meta, sort_keys=True)})
+    else:
+        torch.save({'meta': meta, 'state_dict': state}, out)
+    return out

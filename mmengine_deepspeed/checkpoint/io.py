@@ -1,0 +1,141 @@
+"""What the runner does with checkpoints: save, resume, load_from.
+
+Save and resume are collective (every rank calls them). ``load_from`` reads
+plain weights into the bare model before ``deepspeed.initialize``, so one code
+path serves ZeRO 0-3 (ZeRO-3 partitions what was loaded) and DeepSpeed's
+``load_checkpoint(load_optimizer_states=False)``, which ignores ``tag`` under
+ZeRO-3 (DeepSpeed #8499), is never used.
+"""
+from __future__ import annotations
+
+import os.path as osp
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import deepspeed
+import mmengine
+import torch
+from torch import nn
+
+from ..version import __version__
+from ..config import precision, zero_stage
+from .export import consolidated_state_dict
+from .layout import CLIENT_FILE, DS_TAG, RNG_FILE, CheckpointError, check_checkpoint, shard_files
+from .safe_load import check_pickles, safe_load
+from .save import save_checkpoint_dir
+from .state import hub_state, load_hub_state, plain, set_rng_state
+
+
+def run_facts(runner: Any, epoch: int, iteration: int) -> dict[str, Any]:
+    """The JSON meta of a checkpoint taken now."""
+    return dict(
+        epoch=epoch, iter=iteration, seed=runner.seed, world_size=runner.world_size,
+        zero_stage=zero_stage(runner.ds_config), precision=precision(runner.ds_config),
+        experiment_name=runner.experiment_name, time=time.strftime('%Y%m%d_%H%M%S'),
+        versions=dict(mmengine=str(mmengine.__version__), deepspeed=str(deepspeed.__version__),
+                      torch=str(torch.__version__), mmengine_deepspeed=__version__))
+
+
+def save(runner: Any, path: str, meta: dict[str, Any], save_param_scheduler: bool) -> None:
+    """Save the runner's engine and state into directory ``path`` (collective)."""
+    facts = run_facts(runner, meta['epoch'], meta['iter'])
+    dataset = getattr(runner.train_dataloader, 'dataset', None)
+    client: dict[str, Any] = {
+        'meta': dict(meta, **facts, cfg=runner.cfg.pretty_text,
+                     dataset_meta=plain(getattr(dataset, 'metainfo', None))),
+        'message_hub': hub_state(runner.message_hub),
+    }
+    if save_param_scheduler and runner.param_schedulers:
+        client['param_schedulers'] = [s.state_dict() for s in runner.param_schedulers]
+    runner.call_hook('before_save_checkpoint', checkpoint=client)
+    save_checkpoint_dir(path, runner.engines['model'], plain(client), facts)
+
+
+def resume(runner: Any, path: str, allow_unsafe: bool) -> dict[str, Any]:
+    """Restore engine, loop position, schedulers, message hub, RNG and hooks from ``path``.
+
+    Returns:
+        dict: The checkpoint's client state (as hooks saw it when saving).
+    """
+    meta = check_checkpoint(path)
+    here = dict(world_size=runner.world_size, zero_stage=zero_stage(runner.ds_config))
+    there = dict(world_size=meta['world_size'], zero_stage=meta['zero_stage'])
+    if here != there:
+        raise CheckpointError(
+            f'{path!r} was saved with {there}, this run has {here}. Resuming on another world '
+            'size or ZeRO stage is not supported yet; resume with the original settings, or '
+            'start from its weights with load_from (resume=False).')
+    check_pickles([*shard_files(path), osp.join(path, CLIENT_FILE)], allow_unsafe)
+    client = safe_load(osp.join(path, CLIENT_FILE), allow_unsafe)
+    engine = runner.engines['model']
+    load_path, _ = engine.load_checkpoint(path, tag=DS_TAG, load_module_strict=True,
+                                          load_optimizer_states=True,
+                                          load_lr_scheduler_states=False)
+    if load_path is None:
+        raise CheckpointError(f'DeepSpeed could not load {osp.join(path, DS_TAG)}.')
+    ckpt_meta = client['meta']
+    runner.train_loop._epoch = ckpt_meta['epoch']
+    runner.train_loop._iter = ckpt_meta['iter']
+    load_hub_state(runner.message_hub, client['message_hub'])
+    schedulers = client.get('param_schedulers')
+    if schedulers is not None and runner.param_schedulers:
+        for scheduler, state in zip(runner.param_schedulers, schedulers):
+            scheduler.load_state_dict(state)
+    rng_file = osp.join(path, RNG_FILE.format(rank=runner.rank))
+    set_rng_state(safe_load(rng_file, allow_unsafe))
+    runner.call_hook('after_load_checkpoint', checkpoint=client)
+    return client
+
+
+def read_weights(source: str, allow_unsafe: bool) -> tuple[dict[str, torch.Tensor], dict]:
+    """Weights and meta from our checkpoint directory, a ``.pth`` or a ``.safetensors``."""
+    if osp.isdir(source):
+        return consolidated_state_dict(source, allow_unsafe), dict(check_checkpoint(source))
+    if not osp.isfile(source):
+        raise CheckpointError(f'load_from={source!r} does not exist.')
+    if source.endswith('.safetensors'):
+        from safetensors.torch import load_file
+        return load_file(source), {}
+    loaded = safe_load(source, allow_unsafe)
+    if not isinstance(loaded, dict):
+        raise CheckpointError(f'{source} holds a {type(loaded).__name__}, not a state dict.')
+    meta = loaded.get('meta', {}) if isinstance(loaded.get('meta'), dict) else {}
+    state = loaded.get('state_dict', loaded)
+    if not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(
+            f'{source} is not a state dict (tensor values under "state_dict" or at the top).')
+    return state, meta
+
+
+def revise(state: dict[str, torch.Tensor],
+           revise_keys: Sequence[tuple[str, str]]) -> dict[str, torch.Tensor]:
+    """Apply MMEngine-style ``(pattern, replacement)`` key rewrites."""
+    for pattern, replacement in revise_keys:
+        state = {re.sub(pattern, replacement, k): v for k, v in state.items()}
+    return state
+
+
+def load_weights_into(model: nn.Module, source: str, *, strict: bool,
+                      revise_keys: Sequence[tuple[str, str]], allow_unsafe: bool,
+                      logger: Any) -> dict[str, Any]:
+    """Load ``source``'s weights into the bare ``model`` (before the engine exists).
+
+    Returns:
+        dict: ``{'meta': ..., 'state_dict': ...}`` for ``after_load_checkpoint``.
+    """
+    state, meta = read_weights(source, allow_unsafe)
+    state = revise(state, revise_keys)
+    try:
+        result = model.load_state_dict(state, strict=strict)
+    except RuntimeError as e:
+        raise CheckpointError(
+            f'{source} does not fit this model: {e}\nCheck that load_from names a checkpoint '
+            'of this model, or adapt the keys with revise_keys.') from e
+    if result.missing_keys:
+        logger.warning(f'load_from {source}: missing keys {result.missing_keys}')
+    if result.unexpected_keys:
+        logger.warning(f'load_from {source}: unexpected keys {result.unexpected_keys}')
+    logger.info(f'Loaded weights from {source}')
+    return {'meta': meta, 'state_dict': state}

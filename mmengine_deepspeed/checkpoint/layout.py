@@ -1,0 +1,152 @@
+"""What a DeepSpeedRunner checkpoint directory holds, and how it is checked.
+
+A checkpoint is one directory (named as MMEngine's CheckpointHook names it,
+e.g. ``epoch_3.pth`` or ``iter_2000.pth``)::
+
+    epoch_3.pth/
+      deepspeed/                  DeepSpeed's shards (engine.save_checkpoint, tag "deepspeed")
+      client_state.pt             meta, message hub, param schedulers, hooks' state
+      rng_state_rank{R}.pt        python / numpy / torch / CUDA RNG of rank R
+      meta.json                   the meta again, readable without torch
+      COMPLETE                    written by rank 0 last, after every rank finished
+
+A directory without ``COMPLETE`` is a save that did not finish (a crash, a
+kill); it is never resumed from.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import os.path as osp
+import re
+import zipfile
+from typing import Any, Optional
+
+DS_TAG = 'deepspeed'
+CLIENT_FILE = 'client_state.pt'
+META_FILE = 'meta.json'
+MARKER_FILE = 'COMPLETE'
+RNG_FILE = 'rng_state_rank{rank}.pt'
+LAST_CHECKPOINT = 'last_checkpoint'
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used, naming the file and the fix."""
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    """Whether ``path`` looks like one of our checkpoint directories."""
+    return osp.isdir(path) and (osp.isfile(osp.join(path, META_FILE))
+                                or osp.isdir(osp.join(path, DS_TAG)))
+
+
+def is_complete(path: str) -> bool:
+    """Whether the save of ``path`` finished on every rank."""
+    return osp.isfile(osp.join(path, MARKER_FILE))
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    """The ``meta.json`` of checkpoint ``path``."""
+    meta_path = osp.join(path, META_FILE)
+    if not osp.isfile(meta_path):
+        raise CheckpointError(
+            f'{meta_path} is missing: {path!r} is not a complete DeepSpeedRunner checkpoint.')
+    with open(meta_path, encoding='utf-8') as f:
+        return dict(json.load(f))
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, fsync'd, then renamed."""
+    tmp = f'{path}.tmp{os.getpid()}'
+    with open(tmp, 'w', encoding='utf-8') as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def shard_files(path: str) -> list[str]:
+    """DeepSpeed's shard files of checkpoint ``path``."""
+    return sorted(glob.glob(osp.join(path, DS_TAG, '*.pt')))
+
+
+def check_checkpoint(path: str) -> dict[str, Any]:
+    """Refuse anything but a complete, intact checkpoint directory.
+
+    Every file the save wrote (DeepSpeed's shards are listed in the meta at
+    save time) must be present and readable as a torch zip archive.
+
+    Args:
+        path (str): The checkpoint directory.
+
+    Returns:
+        dict: Its meta.
+    """
+    if osp.isfile(path):
+        raise CheckpointError(
+            f'{path!r} is a file, but a DeepSpeedRunner checkpoint is a directory. To start '
+            'from plain weights (.pth / .safetensors), use load_from without resume.')
+    if not osp.isdir(path):
+        raise CheckpointError(f'checkpoint {path!r} does not exist.')
+    if not is_complete(path):
+        raise CheckpointError(
+            f'{osp.join(path, MARKER_FILE)} is missing: the save of {path!r} did not finish '
+            '(a crash or kill during the save). Resume from an earlier checkpoint.')
+    meta = read_meta(path)
+    if meta.get('format_version') != FORMAT_VERSION:
+        raise CheckpointError(
+            f'{path!r} has checkpoint format {meta.get("format_version")!r}; this version of '
+            f'mmengine-deepspeed reads format {FORMAT_VERSION}.')
+    for name in meta['shards']:
+        check_torch_file(osp.join(path, DS_TAG, name))
+    for rank in range(meta['world_size']):
+        check_torch_file(osp.join(path, RNG_FILE.format(rank=rank)))
+    check_torch_file(osp.join(path, CLIENT_FILE))
+    return meta
+
+
+def check_torch_file(path: str) -> None:
+    """Refuse a missing or truncated ``torch.save`` file, naming it."""
+    if not osp.isfile(path):
+        raise CheckpointError(
+            f'{path} is missing: the checkpoint is incomplete or was copied partly. Copy it '
+            'again or resume from another checkpoint.')
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(
+            f'{path} is truncated or corrupt (not a readable torch file). Copy it again or '
+            'resume from another checkpoint.')
+
+
+def _step_of(path: str) -> int:
+    numbers = re.findall(r'\d+', osp.basename(path))
+    return int(numbers[-1]) if numbers else -1
+
+
+def find_latest_complete(work_dir: str) -> tuple[Optional[str], list[str]]:
+    """The newest complete checkpoint under ``work_dir``, and the incomplete ones skipped.
+
+    ``last_checkpoint`` (written by CheckpointHook after our save returned)
+    is trusted when it names a complete checkpoint; otherwise the directory
+    is scanned, newest iteration first.
+
+    Args:
+        work_dir (str): The runner's work directory.
+
+    Returns:
+        tuple: The checkpoint path or None, and the incomplete directories.
+    """
+    last_file = osp.join(work_dir, LAST_CHECKPOINT)
+    if osp.isfile(last_file):
+        with open(last_file, encoding='utf-8') as f:
+            last = f.read().strip()
+        if is_checkpoint_dir(last) and is_complete(last):
+            return last, []
+    candidates = [p for p in glob.glob(osp.join(work_dir, '*')) if is_checkpoint_dir(p)]
+    incomplete = sorted(p for p in candidates if not is_complete(p))
+    complete = [p for p in candidates if is_complete(p)]
+    if not complete:
+        return None, incomplete
+    newest = max(complete, key=lambda p: (read_meta(p).get('iter', -1), _step_of(p)))
+    return newest, incomplete

@@ -1,0 +1,79 @@
+"""Client state in plain types: message hub and RNG states.
+
+Everything we write must load with ``torch.load(weights_only=True)``, so
+MMEngine's ``HistoryBuffer`` and numpy arrays are turned into lists and tensors
+on the way out and rebuilt on the way in.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from mmengine.logging import HistoryBuffer, MessageHub
+
+
+def plain(value: Any) -> Any:
+    """``value`` with numpy scalars/arrays and str subclasses turned into plain types."""
+    if isinstance(value, str):
+        return str(value)  # str subclasses (torch's TorchVersion) pickle as their class
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    return value
+
+
+def hub_state(hub: MessageHub) -> dict[str, Any]:
+    """``hub.state_dict()`` with every HistoryBuffer as plain lists."""
+    state = hub.state_dict()
+    scalars = {
+        key: {'log_history': [float(v) for v in buf._log_history],
+              'count_history': [float(v) for v in buf._count_history],
+              'max_length': int(buf.max_length)}
+        for key, buf in state['log_scalars'].items()
+    }
+    return {'log_scalars': scalars, 'runtime_info': plain(dict(state['runtime_info'])),
+            'resumed_keys': dict(state['resumed_keys'])}
+
+
+def load_hub_state(hub: MessageHub, state: dict[str, Any]) -> None:
+    """Inverse of :func:`hub_state`."""
+    scalars = {key: HistoryBuffer(v['log_history'], v['count_history'], v['max_length'])
+               for key, v in state['log_scalars'].items()}
+    hub.load_state_dict({'log_scalars': scalars, 'runtime_info': state['runtime_info'],
+                         'resumed_keys': state['resumed_keys']})
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's python, numpy, torch and CUDA RNG states."""
+    version, mt_state, gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        'python': (version, list(mt_state), gauss),
+        'numpy': (np_kind, torch.from_numpy(np_keys.astype(np.int64)), int(np_pos),
+                  int(np_has_gauss), float(np_gauss)),
+        'torch': torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state['cuda'] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`rng_state` (CUDA states only where CUDA is present)."""
+    version, mt_state, gauss = state['python']
+    random.setstate((version, tuple(mt_state), gauss))
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = state['numpy']
+    np.random.set_state((np_kind, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss,
+                         np_gauss))
+    torch.set_rng_state(state['torch'])
+    if 'cuda' in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state['cuda'])
