@@ -20,7 +20,15 @@ from .version import __version__
 register_deepspeed_optimizers()
 
 __all__ = [
-    'CheckpointError', 'DeepSpeedEngineWrapper', 'DeepSpeedOptimWrapper', 'DeepSpeedRunner', 'DsConfigError',
-    'MMEngineSide', '__version__', 'init_distributed', 'export_checkpoint',
-    'register_deepspeed_optimizers', 'resolve_ds_config',
+    'CheckpointError',
+    'DeepSpeedEngineWrapper',
+    'DeepSpeedOptimWrapper',
+    'DeepSpeedRunner',
+    'DsConfigError',
+    'MMEngineSide',
+    '__version__',
+    'export_checkpoint',
+    'init_distributed',
+    'register_deepspeed_optimizers',
+    'resolve_ds_config',
 ]

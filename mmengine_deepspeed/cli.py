@@ -27,6 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
                        default='none', help='how the processes were started')
     train.add_argument('--cfg-options', nargs='+', action=DictAction, default={},
                        help='override config keys, e.g. train_cfg.max_iters=10')
+    convert = sub.add_parser('convert', help='export a checkpoint as one weights file')
+    convert.add_argument('checkpoint', help='a DeepSpeedRunner checkpoint directory')
+    convert.add_argument('out', help='the .pth (or .safetensors) file to write')
+    convert.add_argument('--dtype', choices=['fp32', 'bf16', 'fp16'], default='fp32')
+    convert.add_argument('--safetensors', action='store_true',
+                         help='write safetensors (default: a torch .pth)')
+    convert.add_argument('--allow-unsafe', action='store_true',
+                         help='load shards with full unpickling (trusted files only)')
+    inspect_cmd = sub.add_parser('inspect', help='describe a checkpoint directory')
+    inspect_cmd.add_argument('checkpoint', help='a DeepSpeedRunner checkpoint directory')
     return parser
 
 
@@ -58,10 +68,49 @@ def train(config: str, work_dir: Optional[str], launcher: str, cfg_options: dict
     runner.train()
 
 
+def describe(path: str) -> str:
+    """What ``inspect`` prints: the meta, completeness, size and shard files."""
+    from .checkpoint.layout import (
+        CheckpointError,
+        check_checkpoint,
+        is_complete,
+        read_meta,
+        shard_files,
+    )
+
+    lines = [f'checkpoint: {osp.abspath(path)}']
+    try:
+        check_checkpoint(path)
+        status = 'yes'
+    except CheckpointError as e:
+        status = f'no ({e})'
+    if not is_complete(path):
+        status = 'no (COMPLETE marker missing: the save did not finish)'
+    meta = read_meta(path)
+    for key in ('epoch', 'iter', 'world_size', 'zero_stage', 'precision', 'seed'):
+        lines.append(f'{key}: {meta.get(key)}')
+    lines.append(f'versions: {meta.get("versions")}')
+    size = sum(osp.getsize(osp.join(root, f)) for root, _, files in os.walk(path) for f in files)
+    lines.append(f'size: {size / 2**20:.2f} MiB')
+    lines.append(f'complete: {status}')
+    lines.append('shards:')
+    lines += [f'  {osp.relpath(f, path)} ({osp.getsize(f) / 2**20:.2f} MiB)'
+              for f in shard_files(path)]
+    return '\n'.join(lines)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the console script."""
     args = build_parser().parse_args(argv)
     if args.command == 'train':
         os.environ.setdefault('OMP_NUM_THREADS', '1')
         train(args.config, args.work_dir, args.launcher, args.cfg_options)
+    elif args.command == 'convert':
+        from .checkpoint.export import export_checkpoint
+
+        out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype,
+                                safetensors=args.safetensors, allow_unsafe=args.allow_unsafe)
+        print(f'wrote {out}')
+    elif args.command == 'inspect':
+        print(describe(args.checkpoint))
     return 0

@@ -131,5 +131,10 @@ class DeepSpeedEngineWrapper(nn.Module):
             f'The data_preprocessor must return a dict, tuple or list, got {type(batch)}.')
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward through the engine (for code that calls the model itself)."""
+        """Forward through the engine (for code that calls the model itself).
+
+        Floating inputs are cast to the engine's dtype, as in the steps.
+        """
+        if self.cast_dtype is not None:
+            args, kwargs = cast_floating((args, kwargs), self.cast_dtype)
         return self.engine(*args, **kwargs)

@@ -26,6 +26,7 @@ from typing import Any, Optional, Union
 import deepspeed
 import torch
 from mmengine.config import Config
+from mmengine.hooks import CheckpointHook
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper, revert_sync_batchnorm
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.registry import RUNNERS
@@ -35,6 +36,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from .checkpoint import io as ckpt_io
+from .checkpoint.hook import DeepSpeedCheckpointHook  # noqa: F401  registers it
 from .checkpoint.layout import find_latest_complete
 from .config import DsConfigSource, MMEngineSide, precision, resolve_ds_config, zero_stage
 from .dist import cuda_available, init_distributed
@@ -153,6 +155,8 @@ class DeepSpeedRunner(Runner):
             Defaults to None.
         **kwargs: Keyword arguments of :class:`mmengine.runner.Runner`.
     """
+
+    _has_loaded: bool
 
     def __init__(self, *args: Any, ds_config: DsConfigSource = None,
                  allow_unsafe_checkpoints: Optional[bool] = None, **kwargs: Any):
@@ -274,6 +278,13 @@ class DeepSpeedRunner(Runner):
                 'The DeepSpeed engine was already built without an optimizer by val()/test(); '
                 'call train() first, or build a new runner for training.')
         ds_config = self._resolve_ds_config(world_size=self.world_size)
+        if optimizer is None and zero_stage(ds_config) in (1, 2):
+            # ZeRO-1/2 partition optimizer states and gradients only, and
+            # DeepSpeed refuses them without an optimizer; the weights of an
+            # evaluation engine are the same at stage 0.
+            self.logger.info(f'No optimizer (val/test only): ZeRO-{zero_stage(ds_config)} has '
+                             'nothing to partition, using ZeRO-0 for this engine.')
+            ds_config['zero_optimization']['stage'] = 0
         if optimizer is not None and isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
             ds_config.setdefault('zero_allow_untested_optimizer', True)
         model = self.bare_model
@@ -310,6 +321,21 @@ class DeepSpeedRunner(Runner):
         """Test; without prior training, through an engine without optimizer."""
         self._ensure_engine()
         return super().test()
+
+    def register_default_hooks(self, hooks: Optional[dict] = None) -> None:
+        """MMEngine's default hooks, with the crash-safe checkpoint hook.
+
+        A ``CheckpointHook`` config (or the default one) becomes a
+        :class:`DeepSpeedCheckpointHook` with the same arguments.
+        """
+        hooks = dict(hooks or {})
+        checkpoint = hooks.get('checkpoint', dict(type='CheckpointHook', interval=1))
+        if isinstance(checkpoint, dict) and checkpoint.get('type') in ('CheckpointHook',
+                                                                       CheckpointHook):
+            checkpoint = dict(checkpoint, type='DeepSpeedCheckpointHook')
+        if 'checkpoint' not in hooks or hooks['checkpoint'] is not None:
+            hooks['checkpoint'] = checkpoint
+        super().register_default_hooks(hooks)
 
     def save_checkpoint(self, out_dir: str, filename: str,
                         file_client_args: Optional[dict] = None, save_optimizer: bool = True,

@@ -182,6 +182,7 @@ def toy_config(work_dir: str, *, ds_config: Optional[dict] = None, max_iters: in
                model: Optional[dict] = None, with_bn: bool = True,
                param_scheduler: Any = 'default', val: bool = True,
                dataset_size: int = 32, seed: int = 42, checkpoint: Optional[dict] = None,
+               val_interval: Optional[int] = None,
                **extra: Any) -> dict:
     """A complete MMEngine runner config for the toy problem.
 
@@ -204,8 +205,9 @@ def toy_config(work_dir: str, *, ds_config: Optional[dict] = None, max_iters: in
             dict(type='LinearLR', start_factor=0.5, by_epoch=False, begin=0, end=3),
             dict(type='MultiStepLR', milestones=[5], gamma=0.5, by_epoch=False),
         ]
-    train_cfg = (dict(by_epoch=True, max_epochs=max_epochs, val_interval=1) if by_epoch
-                 else dict(by_epoch=False, max_iters=max_iters, val_interval=max_iters))
+    train_cfg = (dict(by_epoch=True, max_epochs=max_epochs, val_interval=val_interval or 1)
+                 if by_epoch else
+                 dict(by_epoch=False, max_iters=max_iters, val_interval=val_interval or max_iters))
     cfg: dict = dict(
         model=model or dict(type='ToyModel', with_bn=with_bn),
         work_dir=work_dir,
@@ -237,6 +239,11 @@ def toy_config(work_dir: str, *, ds_config: Optional[dict] = None, max_iters: in
         cfg.pop('param_scheduler')
     cfg.update(extra)
     return cfg
+
+
+def probe_inputs() -> torch.Tensor:
+    """A fixed batch for comparing model outputs across runs."""
+    return torch.rand(5, IN_FEATURES, generator=torch.Generator().manual_seed(99))
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:

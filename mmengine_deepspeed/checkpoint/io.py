@@ -19,13 +19,13 @@ import mmengine
 import torch
 from torch import nn
 
-from ..version import __version__
 from ..config import precision, zero_stage
+from ..version import __version__
 from .export import consolidated_state_dict
-from .layout import CLIENT_FILE, DS_TAG, RNG_FILE, CheckpointError, check_checkpoint, shard_files
+from .layout import CLIENT_FILE, DS_TAG, RANK_FILE, CheckpointError, check_checkpoint, shard_files
 from .safe_load import check_pickles, safe_load
 from .save import save_checkpoint_dir
-from .state import hub_state, load_hub_state, plain, set_rng_state
+from .state import hub_state, load_hub_state, load_rank_state, plain
 
 
 def run_facts(runner: Any, epoch: int, iteration: int) -> dict[str, Any]:
@@ -54,7 +54,7 @@ def save(runner: Any, path: str, meta: dict[str, Any], save_param_scheduler: boo
 
 
 def resume(runner: Any, path: str, allow_unsafe: bool) -> dict[str, Any]:
-    """Restore engine, loop position, schedulers, message hub, RNG and hooks from ``path``.
+    """Restore engine, loop position, schedulers, hub, RNG, buffers and hooks from ``path``.
 
     Returns:
         dict: The checkpoint's client state (as hooks saw it when saving).
@@ -83,8 +83,8 @@ def resume(runner: Any, path: str, allow_unsafe: bool) -> dict[str, Any]:
     if schedulers is not None and runner.param_schedulers:
         for scheduler, state in zip(runner.param_schedulers, schedulers):
             scheduler.load_state_dict(state)
-    rng_file = osp.join(path, RNG_FILE.format(rank=runner.rank))
-    set_rng_state(safe_load(rng_file, allow_unsafe))
+    rank_file = osp.join(path, RANK_FILE.format(rank=runner.rank))
+    load_rank_state(engine.module, safe_load(rank_file, allow_unsafe))
     runner.call_hook('after_load_checkpoint', checkpoint=client)
     return client
 

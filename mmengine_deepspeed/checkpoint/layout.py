@@ -6,7 +6,8 @@ e.g. ``epoch_3.pth`` or ``iter_2000.pth``)::
     epoch_3.pth/
       deepspeed/                  DeepSpeed's shards (engine.save_checkpoint, tag "deepspeed")
       client_state.pt             meta, message hub, param schedulers, hooks' state
-      rng_state_rank{R}.pt        python / numpy / torch / CUDA RNG of rank R
+      rank_state_rank{R}.pt       rank R's RNG states (python, numpy, torch, CUDA) and
+                                  module buffers (BatchNorm statistics are per rank)
       meta.json                   the meta again, readable without torch
       COMPLETE                    written by rank 0 last, after every rank finished
 
@@ -27,7 +28,7 @@ DS_TAG = 'deepspeed'
 CLIENT_FILE = 'client_state.pt'
 META_FILE = 'meta.json'
 MARKER_FILE = 'COMPLETE'
-RNG_FILE = 'rng_state_rank{rank}.pt'
+RANK_FILE = 'rank_state_rank{rank}.pt'
 LAST_CHECKPOINT = 'last_checkpoint'
 FORMAT_VERSION = 1
 
@@ -102,7 +103,7 @@ def check_checkpoint(path: str) -> dict[str, Any]:
     for name in meta['shards']:
         check_torch_file(osp.join(path, DS_TAG, name))
     for rank in range(meta['world_size']):
-        check_torch_file(osp.join(path, RNG_FILE.format(rank=rank)))
+        check_torch_file(osp.join(path, RANK_FILE.format(rank=rank)))
     check_torch_file(osp.join(path, CLIENT_FILE))
     return meta
 

@@ -15,11 +15,13 @@ from typing import Any
 import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 
 from .layout import CheckpointError
 
-# Classes DeepSpeed 0.19 pickles into its shards (ZeRO optimizer states).
-DEEPSPEED_GLOBALS = (ZeroStageEnum, LossScaler, DynamicLossScaler)
+# Classes DeepSpeed 0.19 pickles into its shards (ZeRO optimizer states):
+# plain records and enums whose unpickling runs no user-chosen code.
+DEEPSPEED_GLOBALS = (ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address)
 ALLOWED_NAMES = frozenset(f'{cls.__module__}.{cls.__qualname__}' for cls in DEEPSPEED_GLOBALS)
 
 UNSAFE_HINT = ('If you trust where it came from, pass allow_unsafe_checkpoints=True to '
@@ -44,7 +46,7 @@ def check_pickles(paths: Iterable[str], allow_unsafe: bool) -> None:
     for path in paths:
         try:
             bad = unsafe_globals(path)
-        except Exception as e:  # noqa: BLE001  any failure to parse is a refusal
+        except Exception as e:
             raise CheckpointError(f'{path} cannot be checked for unsafe content: {e}') from e
         if bad:
             raise CheckpointError(

@@ -1,6 +1,6 @@
 """Writing a checkpoint directory on every rank, complete or not at all.
 
-Order matters for crash safety: DeepSpeed's shards and every rank's RNG state
+Order matters for crash safety: DeepSpeed's shards and every rank's own state
 first, then the client state and meta (rank 0), a barrier, and only then the
 ``COMPLETE`` marker. MMEngine's CheckpointHook writes ``last_checkpoint``
 after our save returns, so it never names a checkpoint without the marker.
@@ -16,13 +16,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
-from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO,
-                                            UNIVERSAL_CHECKPOINT_VERSION_KEY,
-                                            UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+from deepspeed.checkpoint.constants import (
+    UNIVERSAL_CHECKPOINT_INFO,
+    UNIVERSAL_CHECKPOINT_VERSION_KEY,
+    UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+)
 
-from .layout import (CLIENT_FILE, DS_TAG, FORMAT_VERSION, MARKER_FILE, META_FILE, RNG_FILE,
-                     write_text_atomic)
-from .state import rng_state
+from .layout import (
+    CLIENT_FILE,
+    DS_TAG,
+    FORMAT_VERSION,
+    MARKER_FILE,
+    META_FILE,
+    RANK_FILE,
+    write_text_atomic,
+)
+from .state import rank_state
 
 
 def save_checkpoint_dir(path: str, engine: DeepSpeedEngine, client_state: dict[str, Any],
@@ -52,7 +61,7 @@ def save_checkpoint_dir(path: str, engine: DeepSpeedEngine, client_state: dict[s
     engine.save_checkpoint(path, tag=DS_TAG, save_latest=False, client_state={
         UNIVERSAL_CHECKPOINT_INFO: {
             UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}})
-    torch.save(rng_state(), osp.join(path, RNG_FILE.format(rank=rank)))
+    torch.save(rank_state(engine.module), osp.join(path, RANK_FILE.format(rank=rank)))
     if rank == 0:
         torch.save(client_state, osp.join(path, CLIENT_FILE))
     dist.barrier()

@@ -1,4 +1,4 @@
-"""Client state in plain types: message hub and RNG states.
+"""Client state in plain types: message hub, RNG states, per-rank buffers.
 
 Everything we write must load with ``torch.load(weights_only=True)``, so
 MMEngine's ``HistoryBuffer`` and numpy arrays are turned into lists and tensors
@@ -7,7 +7,7 @@ on the way out and rebuilt on the way in.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -55,7 +55,7 @@ def load_hub_state(hub: MessageHub, state: dict[str, Any]) -> None:
 def rng_state() -> dict[str, Any]:
     """This process's python, numpy, torch and CUDA RNG states."""
     version, mt_state, gauss = random.getstate()
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = cast(tuple, np.random.get_state())
     state: dict[str, Any] = {
         'python': (version, list(mt_state), gauss),
         'numpy': (np_kind, torch.from_numpy(np_keys.astype(np.int64)), int(np_pos),
@@ -77,3 +77,23 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state['torch'])
     if 'cuda' in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state['cuda'])
+
+
+def rank_state(module: torch.nn.Module) -> dict[str, Any]:
+    """What differs between ranks: RNG states and module buffers.
+
+    DeepSpeed saves buffers from rank 0 only; BatchNorm running statistics
+    differ per rank (as with MMEngine's DDP), so each rank keeps its own.
+    """
+    buffers = {name: buf.detach().cpu().clone() for name, buf in module.named_buffers()}
+    return {'rng': rng_state(), 'buffers': buffers}
+
+
+def load_rank_state(module: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Inverse of :func:`rank_state`."""
+    saved = state['buffers']
+    for name, buf in module.named_buffers():
+        if name in saved:
+            with torch.no_grad():
+                buf.copy_(saved[name].to(buf.device, buf.dtype))
+    set_rng_state(state['rng'])

@@ -2,8 +2,13 @@
 
 Usage (under torchrun): ``worker.py OUT_DIR SCENARIO_JSON [SCENARIO_JSON ...]``.
 Each scenario is a JSON dict ``{"name": ..., "mode": "train" | "test",
-"cfg": {toy_config kwargs}}``; they run one after another in the same process
-group, which keeps the suite's start-up cost to one launch per test module.
+"cfg": {toy_config kwargs}}`` with optional ``"work_dir"`` (default
+``OUT_DIR/NAME``), ``"unmark"`` (a checkpoint whose COMPLETE marker rank 0
+deletes first, as if its save had been killed) and ``"kill_rank1_at_iter"``
+(rank 1 SIGKILLs itself in the middle of the save taken at that iteration:
+after DeepSpeed wrote its shards, before the marker). Scenarios run one after
+another in the same process group, which keeps the suite's start-up cost to
+one launch per test module.
 Each rank writes ``OUT_DIR/NAME.rankR.pt`` with the gathered final weights,
 per-iteration losses and learning rates, metrics and facts about the run.
 """
@@ -12,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import os.path as osp
+import signal
 import sys
 from typing import Any
 
@@ -21,7 +27,9 @@ from mmengine.config import Config
 from mmengine.registry import RUNNERS
 
 import mmengine_deepspeed  # noqa: F401
-from tests.helpers import model_state, recorder, toy_config
+from mmengine_deepspeed.checkpoint import save as save_module
+from mmengine_deepspeed.checkpoint.layout import MARKER_FILE
+from tests.helpers import model_state, probe_inputs, recorder, toy_config
 
 
 def _as_test_only(cfg: dict) -> dict:
@@ -34,17 +42,39 @@ def _as_test_only(cfg: dict) -> dict:
     return cfg
 
 
+def _kill_rank1_during_save_at(iteration: int, runner_box: list) -> None:
+    """Make rank 1 die with SIGKILL after DeepSpeed wrote the shards of that save."""
+    real = save_module.rank_state
+
+    def dying_rank_state(module: Any) -> dict:
+        runner = runner_box[0]
+        if runner.rank == 1 and runner.iter + 1 == iteration:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(module)
+
+    save_module.rank_state = dying_rank_state
+
+
 def run(out_dir: str, scenario: dict) -> None:
     name = scenario['name']
     mode = scenario.get('mode', 'train')
-    cfg = toy_config(osp.join(out_dir, name), **scenario.get('cfg', {}))
+    if 'unmark' in scenario and int(os.environ['RANK']) == 0:
+        os.remove(osp.join(scenario['unmark'], MARKER_FILE))
+    runner_box: list = []
+    if 'kill_rank1_at_iter' in scenario:
+        _kill_rank1_during_save_at(scenario['kill_rank1_at_iter'], runner_box)
+    cfg = toy_config(scenario.get('work_dir', osp.join(out_dir, name)), **scenario.get('cfg', {}))
     if mode == 'test':
         cfg = _as_test_only(cfg)
     cfg.update(runner_type='DeepSpeedRunner', launcher='pytorch')
     runner = RUNNERS.build(Config(cfg))
+    runner_box.append(runner)
     result: dict[str, Any] = {}
     if mode == 'test':
         result['test_metrics'] = {k: float(v) for k, v in runner.test().items()}
+        runner.model.eval()
+        with torch.no_grad():
+            result['probe_logits'] = runner.model(probe_inputs()).float().cpu()
     else:
         runner.train()
         rec = recorder(runner)
