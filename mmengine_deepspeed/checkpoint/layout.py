@@ -138,14 +138,14 @@ def find_latest_complete(work_dir: str) -> tuple[Optional[str], list[str]]:
     Returns:
         tuple: The checkpoint path or None, and the incomplete directories.
     """
+    candidates = [p for p in glob.glob(osp.join(work_dir, '*')) if is_checkpoint_dir(p)]
+    incomplete = sorted(p for p in candidates if not is_complete(p))
     last_file = osp.join(work_dir, LAST_CHECKPOINT)
     if osp.isfile(last_file):
         with open(last_file, encoding='utf-8') as f:
             last = f.read().strip()
         if is_checkpoint_dir(last) and is_complete(last):
-            return last, []
-    candidates = [p for p in glob.glob(osp.join(work_dir, '*')) if is_checkpoint_dir(p)]
-    incomplete = sorted(p for p in candidates if not is_complete(p))
+            return last, incomplete
     complete = [p for p in candidates if is_complete(p)]
     if not complete:
         return None, incomplete

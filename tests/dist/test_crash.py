@@ -1,0 +1,54 @@
+"""A rank SIGKILLed in the middle of a save: the previous checkpoint survives.
+
+With ``max_keep_ckpts=1`` MMEngine's own CheckpointHook deletes the previous
+checkpoint before saving the next; ours deletes it after the new one is
+complete, so the kill leaves ``iter_4.pth`` complete and named by
+``last_checkpoint``, and resuming from it ends exactly where a straight run
+does.
+"""
+from __future__ import annotations
+
+import json
+import os.path as osp
+from typing import Any
+
+import pytest
+import torch
+
+from mmengine_deepspeed.checkpoint.layout import LAST_CHECKPOINT, is_complete
+from tests.helpers import run_torchrun
+
+pytestmark = pytest.mark.dist
+
+CFG: dict[str, Any] = dict(
+    ds_config={'zero_optimization': {'stage': 3}},
+    checkpoint={'type': 'CheckpointHook', 'interval': 4, 'by_epoch': False, 'max_keep_ckpts': 1})
+
+
+def test_kill_during_save_then_resume(tmp_path: Any) -> None:
+    out = str(tmp_path)
+    work = osp.join(out, 'crash')
+    killed = run_torchrun(['tests/dist/worker.py', out, json.dumps(
+        {'name': 'crash', 'cfg': CFG, 'kill_rank1_at_iter': 8})], timeout=200)
+    assert killed.returncode != 0
+    assert 'Signal 9' in killed.stdout or 'SIGKILL' in killed.stdout, killed.stdout[-3000:]
+    assert is_complete(osp.join(work, 'iter_4.pth'))
+    assert osp.isdir(osp.join(work, 'iter_8.pth'))
+    assert not is_complete(osp.join(work, 'iter_8.pth'))
+    with open(osp.join(work, LAST_CHECKPOINT)) as f:
+        assert f.read().strip() == osp.join(work, 'iter_4.pth')
+
+    resumed = run_torchrun(['tests/dist/worker.py', out,
+                            json.dumps({'name': 'straight', 'cfg': CFG}),
+                            json.dumps({'name': 'resumed', 'work_dir': work,
+                                        'cfg': dict(CFG, resume=True)})], timeout=200)
+    assert resumed.returncode == 0, resumed.stdout[-6000:]
+    assert 'Skipping incomplete checkpoint' in resumed.stdout
+    for rank in range(2):
+        straight = torch.load(osp.join(out, f'straight.rank{rank}.pt'))
+        again = torch.load(osp.join(out, f'resumed.rank{rank}.pt'))
+        assert again['losses'] == straight['losses'][4:]
+        for key, value in straight['state'].items():
+            assert torch.equal(value, again['state'][key]), key
+    assert is_complete(osp.join(work, 'iter_8.pth'))
+    assert not osp.exists(osp.join(work, 'iter_4.pth'))  # max_keep_ckpts=1, after the save

@@ -1,0 +1,270 @@
+"""Checkpoint files in one process: validation errors, safe loading, state round trips."""
+from __future__ import annotations
+
+import json
+import os
+import os.path as osp
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from mmengine.config import Config
+from mmengine.logging import MessageHub
+from mmengine.runner import Runner
+
+from mmengine_deepspeed.checkpoint.io import load_weights_into, read_weights
+from mmengine_deepspeed.checkpoint.layout import (CLIENT_FILE, DS_TAG, FORMAT_VERSION,
+                                                  LAST_CHECKPOINT, MARKER_FILE, META_FILE,
+                                                  RANK_FILE, CheckpointError, check_checkpoint,
+                                                  find_latest_complete)
+from mmengine_deepspeed.checkpoint.safe_load import check_pickles, safe_load
+from mmengine_deepspeed.checkpoint.state import (hub_state, load_hub_state, load_rank_state,
+                                                 rank_state)
+from mmengine_deepspeed.cli import describe
+from tests.helpers import ToyModel, toy_config
+
+SHARD = 'mp_rank_00_model_states.pt'
+
+
+def make_checkpoint(path: str, iteration: int = 4, complete: bool = True) -> str:
+    """A structurally valid checkpoint directory (tiny files, one rank, ZeRO-0)."""
+    os.makedirs(osp.join(path, DS_TAG))
+    torch.save({'module': {}}, osp.join(path, DS_TAG, SHARD))
+    torch.save({'meta': {}}, osp.join(path, CLIENT_FILE))
+    torch.save({}, osp.join(path, RANK_FILE.format(rank=0)))
+    meta = dict(format_version=FORMAT_VERSION, shards=[SHARD], world_size=1, zero_stage=0,
+                precision='fp32', epoch=0, iter=iteration)
+    with open(osp.join(path, META_FILE), 'w') as f:
+        json.dump(meta, f)
+    if complete:
+        open(osp.join(path, MARKER_FILE), 'w').close()
+    return path
+
+
+# --- clear errors -----------------------------------------------------------------
+
+def test_valid_checkpoint_passes(tmp_path: Any) -> None:
+    assert check_checkpoint(make_checkpoint(str(tmp_path / 'ck')))['iter'] == 4
+
+
+def test_file_instead_of_directory(tmp_path: Any) -> None:
+    path = tmp_path / 'epoch_1.pth'
+    path.write_bytes(b'x')
+    with pytest.raises(CheckpointError, match='is a file, but a DeepSpeedRunner checkpoint is a '
+                                              'directory.*load_from without resume'):
+        check_checkpoint(str(path))
+
+
+def test_missing_directory(tmp_path: Any) -> None:
+    with pytest.raises(CheckpointError, match='does not exist'):
+        check_checkpoint(str(tmp_path / 'nope'))
+
+
+def test_missing_marker_names_the_file(tmp_path: Any) -> None:
+    path = make_checkpoint(str(tmp_path / 'ck'), complete=False)
+    with pytest.raises(CheckpointError, match=f'{MARKER_FILE} is missing.*did not finish'):
+        check_checkpoint(path)
+
+
+def test_missing_shard_names_the_file(tmp_path: Any) -> None:
+    path = make_checkpoint(str(tmp_path / 'ck'))
+    os.remove(osp.join(path, DS_TAG, SHARD))
+    with pytest.raises(CheckpointError, match=f'{SHARD} is missing'):
+        check_checkpoint(path)
+
+
+def test_truncated_shard_names_the_file(tmp_path: Any) -> None:
+    path = make_checkpoint(str(tmp_path / 'ck'))
+    shard = osp.join(path, DS_TAG, SHARD)
+    with open(shard, 'r+b') as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    with pytest.raises(CheckpointError, match=f'{SHARD} is truncated or corrupt'):
+        check_checkpoint(path)
+
+
+def test_missing_rank_state(tmp_path: Any) -> None:
+    path = make_checkpoint(str(tmp_path / 'ck'))
+    os.remove(osp.join(path, RANK_FILE.format(rank=0)))
+    with pytest.raises(CheckpointError, match='rank_state_rank0.pt is missing'):
+        check_checkpoint(path)
+
+
+def test_other_format_version(tmp_path: Any) -> None:
+    path = make_checkpoint(str(tmp_path / 'ck'))
+    with open(osp.join(path, META_FILE), 'w') as f:
+        json.dump({'format_version': 99}, f)
+    with pytest.raises(CheckpointError, match='format 99'):
+        check_checkpoint(path)
+
+
+def test_shape_mismatch_names_the_file(tmp_path: Any) -> None:
+    path = str(tmp_path / 'other.pth')
+    torch.save({'state_dict': ToyModel(hidden=32).state_dict()}, path)
+    with pytest.raises(CheckpointError, match=r'(?s)other.pth does not fit this model.*size mismatch'):
+        load_weights_into(ToyModel(), path, strict=False, revise_keys=[],
+                          allow_unsafe=False, logger=_Log())
+
+
+def test_strict_load_refuses_missing_keys(tmp_path: Any) -> None:
+    path = str(tmp_path / 'partial.pth')
+    state = ToyModel().state_dict()
+    state.pop('fc2.bias')
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match='fc2.bias'):
+        load_weights_into(ToyModel(), path, strict=True, revise_keys=[],
+                          allow_unsafe=False, logger=_Log())
+    log = _Log()
+    load_weights_into(ToyModel(), path, strict=False, revise_keys=[], allow_unsafe=False,
+                      logger=log)
+    assert any('fc2.bias' in m for m in log.warnings)
+
+
+def test_load_from_missing_file(tmp_path: Any) -> None:
+    with pytest.raises(CheckpointError, match='does not exist'):
+        read_weights(str(tmp_path / 'missing.pth'), allow_unsafe=False)
+
+
+def test_load_from_non_state_dict(tmp_path: Any) -> None:
+    path = str(tmp_path / 'list.pth')
+    torch.save([1, 2], path)
+    with pytest.raises(CheckpointError, match='holds a list, not a state dict'):
+        read_weights(path, allow_unsafe=False)
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.warnings: list[str] = []
+
+    def warning(self, msg: str) -> None:
+        self.warnings.append(msg)
+
+    def info(self, msg: str) -> None:
+        pass
+
+
+# --- safe loading --------------------------------------------------------------
+
+class _Payload:
+    """Unpickling this runs ``os.system`` (a real malicious pickle)."""
+
+    def __init__(self, target: str):
+        self.target = target
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f'touch {self.target}',))
+
+
+@pytest.fixture
+def malicious(tmp_path: Any) -> tuple[str, str]:
+    target = str(tmp_path / 'pwned')
+    path = str(tmp_path / 'evil.pth')
+    torch.save({'state_dict': {'w': torch.ones(1)}, 'x': _Payload(target)}, path)
+    return path, target
+
+
+def test_malicious_pickle_is_refused_before_unpickling(malicious: tuple[str, str]) -> None:
+    path, target = malicious
+    with pytest.raises(CheckpointError, match=r'evil.pth references \[.*system.*arbitrary code'):
+        check_pickles([path], allow_unsafe=False)
+    with pytest.raises(CheckpointError, match='allow_unsafe_checkpoints=True'):
+        safe_load(path)
+    with pytest.raises(CheckpointError):
+        read_weights(path, allow_unsafe=False)
+    assert not osp.exists(target)
+
+
+def test_opting_in_loads_with_full_unpickling(malicious: tuple[str, str]) -> None:
+    path, target = malicious
+    check_pickles([path], allow_unsafe=True)
+    safe_load(path, allow_unsafe=True)
+    assert osp.exists(target)  # the payload was real
+
+
+def test_our_own_files_load_safely(tmp_path: Any) -> None:
+    path = str(tmp_path / 'rank.pt')
+    torch.save(rank_state(ToyModel()), path)
+    check_pickles([path], allow_unsafe=False)
+    assert 'rng' in safe_load(path)
+
+
+# --- state round trips -------------------------------------------------------------
+
+def test_message_hub_round_trip_without_pickled_classes(tmp_path: Any) -> None:
+    hub = MessageHub.get_instance('roundtrip_src')
+    for value in (1.0, 2.0, 3.0):
+        hub.update_scalar('train/loss', value)
+    hub.update_info('best_score', np.float64(0.5), resumed=True)
+    hub.update_info('keep_ckpt_ids', [4, 8], resumed=True)
+    path = str(tmp_path / 'hub.pt')
+    torch.save(hub_state(hub), path)
+    loaded = torch.load(path, weights_only=True)
+    other = MessageHub.get_instance('roundtrip_dst')
+    load_hub_state(other, loaded)
+    assert other.get_scalar('train/loss').mean() == 2.0
+    assert other.get_info('best_score') == 0.5
+    assert other.get_info('keep_ckpt_ids') == [4, 8]
+
+
+def test_rank_state_restores_rng_and_buffers(tmp_path: Any) -> None:
+    model = ToyModel()
+    model.norm.running_mean.fill_(3.0)
+    path = str(tmp_path / 'rank.pt')
+    torch.save(rank_state(model), path)
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+    model.norm.running_mean.zero_()
+    load_rank_state(model, torch.load(path, weights_only=True))
+    assert (random.random(), np.random.rand(), torch.rand(1)) == expected
+    assert torch.equal(model.norm.running_mean, torch.full((16,), 3.0))
+
+
+# --- finding the checkpoint to resume ----------------------------------------------
+
+def test_latest_complete_skips_incomplete(tmp_path: Any) -> None:
+    work = str(tmp_path)
+    make_checkpoint(osp.join(work, 'iter_4.pth'), 4)
+    make_checkpoint(osp.join(work, 'iter_12.pth'), 12)
+    make_checkpoint(osp.join(work, 'iter_16.pth'), 16, complete=False)
+    with open(osp.join(work, LAST_CHECKPOINT), 'w') as f:
+        f.write(osp.join(work, 'iter_16.pth'))
+    path, skipped = find_latest_complete(work)
+    assert path == osp.join(work, 'iter_12.pth')
+    assert skipped == [osp.join(work, 'iter_16.pth')]
+
+
+def test_nothing_to_resume(tmp_path: Any) -> None:
+    assert find_latest_complete(str(tmp_path)) == (None, [])
+
+
+def test_inspect_text_for_an_incomplete_checkpoint(tmp_path: Any) -> None:
+    text = describe(make_checkpoint(str(tmp_path / 'ck'), 7, complete=False))
+    assert 'iter: 7' in text and 'complete: no (COMPLETE marker missing' in text
+
+
+# --- the CheckpointHook behaviour our hook replaces -------------------------------
+
+class _ProbeRunner(Runner):
+    """A plain MMEngine Runner that records which checkpoints exist at each save."""
+
+    seen: list[list[str]]
+
+    def save_checkpoint(self, out_dir: str, filename: str, *args: Any, **kwargs: Any) -> None:
+        self.seen.append(sorted(f for f in os.listdir(out_dir) if f.startswith('iter_')))
+        super().save_checkpoint(out_dir, filename, *args, **kwargs)
+
+
+@pytest.mark.parametrize(('hook', 'before_second_save'), [
+    ('CheckpointHook', []),                        # MMEngine: deleted before the save (pinned)
+    ('DeepSpeedCheckpointHook', ['iter_2.pth']),   # ours: still there while saving
+])
+def test_old_checkpoint_removal_order(tmp_path: Any, hook: str, before_second_save: list) -> None:
+    import mmengine_deepspeed  # noqa: F401  registers DeepSpeedCheckpointHook
+
+    cfg = toy_config(str(tmp_path), max_iters=4, val=False, checkpoint=dict(
+        type=hook, interval=2, by_epoch=False, max_keep_ckpts=1))
+    _ProbeRunner.seen = []
+    runner = _ProbeRunner.from_cfg(Config(cfg))
+    runner.train()
+    assert _ProbeRunner.seen == [[], before_second_save]
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith('iter_')) == ['iter_4.pth']
