@@ -37,7 +37,8 @@ from torch.utils.data import DataLoader
 
 from .checkpoint import io as ckpt_io
 from .checkpoint.hook import DeepSpeedCheckpointHook  # noqa: F401  registers it
-from .checkpoint.layout import find_latest_complete
+from .checkpoint.layout import check_checkpoint, find_latest_complete
+from .checkpoint.reshard import Layout, needs_universal
 from .config import DsConfigSource, MMEngineSide, precision, resolve_ds_config, zero_stage
 from .dist import cuda_available, init_distributed
 from .engine import DeepSpeedEngineWrapper
@@ -179,6 +180,7 @@ class DeepSpeedRunner(Runner):
         # Refuse a bad ds_config before any process group or file exists.
         self._resolve_ds_config(world_size=None)
         self._weights_initialized = False
+        self._resume_target: Optional[tuple[Optional[str]]] = None
         self.engines: dict[str, deepspeed.DeepSpeedEngine] = {}
         self.ds_config: dict = {}
         super().__init__(*args, **kwargs)
@@ -296,6 +298,12 @@ class DeepSpeedRunner(Runner):
             self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
             self._has_loaded = True
         match_norm_buffers(ds_config, model)
+        resume_from = self._resume_path() if optimizer is not None else None
+        if resume_from is not None:
+            meta = check_checkpoint(resume_from)  # refuse a bad checkpoint before any work
+            if needs_universal(Layout(meta['world_size'], meta['zero_stage']),
+                               Layout(self.world_size, zero_stage(ds_config)), resume_from):
+                ds_config.setdefault('checkpoint', {})['load_universal'] = True
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.ds_config = ds_config
         self.engines[ENGINE_KEY] = engine
@@ -381,6 +389,20 @@ class DeepSpeedRunner(Runner):
         self._has_loaded = True
         self.logger.info(f'Resumed from {filename}: epoch {self.epoch}, iter {self.iter}')
 
+    def _resume_path(self) -> Optional[str]:
+        """The checkpoint ``resume=True`` resumes from (found once, then cached)."""
+        if not self._resume:
+            return None
+        if self._resume_target is None:
+            path = self._load_from
+            if path is None:
+                path, skipped = find_latest_complete(self.work_dir)
+                for incomplete in skipped:
+                    self.logger.warning(f'Skipping incomplete checkpoint {incomplete} '
+                                        '(its save did not finish).')
+            self._resume_target = (path,)
+        return self._resume_target[0]
+
     def load_or_resume(self) -> None:
         """Resume (latest complete checkpoint, or ``load_from``) or load weights.
 
@@ -390,12 +412,7 @@ class DeepSpeedRunner(Runner):
         if self._has_loaded:
             return
         if self._resume:
-            path = self._load_from
-            if path is None:
-                path, skipped = find_latest_complete(self.work_dir)
-                for incomplete in skipped:
-                    self.logger.warning(f'Skipping incomplete checkpoint {incomplete} '
-                                        '(its save did not finish).')
+            path = self._resume_path()
             if path is not None:
                 self.resume(path)
             else:

@@ -23,6 +23,7 @@ from ..config import precision, zero_stage
 from ..version import __version__
 from .export import consolidated_state_dict
 from .layout import CLIENT_FILE, DS_TAG, RANK_FILE, CheckpointError, check_checkpoint, shard_files
+from .reshard import Layout, convert, needs_universal
 from .safe_load import check_pickles, safe_load
 from .save import save_checkpoint_dir
 from .state import hub_state, load_hub_state, load_rank_state, plain
@@ -47,6 +48,11 @@ def save(runner: Any, path: str, meta: dict[str, Any], save_param_scheduler: boo
                      dataset_meta=plain(getattr(dataset, 'metainfo', None))),
         'message_hub': hub_state(runner.message_hub),
     }
+    # Hyper-parameters (lr, momentum...) of the optimizer's groups: restored
+    # on resume whatever path DeepSpeed loads the optimizer states through.
+    client['optimizer_param_groups'] = [
+        {k: v for k, v in group.items() if k != 'params'}
+        for group in runner.optim_wrapper.optimizer.param_groups]
     if save_param_scheduler and runner.param_schedulers:
         client['param_schedulers'] = [s.state_dict() for s in runner.param_schedulers]
     runner.call_hook('before_save_checkpoint', checkpoint=client)
@@ -60,21 +66,27 @@ def resume(runner: Any, path: str, allow_unsafe: bool) -> dict[str, Any]:
         dict: The checkpoint's client state (as hooks saw it when saving).
     """
     meta = check_checkpoint(path)
-    here = dict(world_size=runner.world_size, zero_stage=zero_stage(runner.ds_config))
-    there = dict(world_size=meta['world_size'], zero_stage=meta['zero_stage'])
-    if here != there:
-        raise CheckpointError(
-            f'{path!r} was saved with {there}, this run has {here}. Resuming on another world '
-            'size or ZeRO stage is not supported yet; resume with the original settings, or '
-            'start from its weights with load_from (resume=False).')
+    saved = Layout(meta['world_size'], meta['zero_stage'])
+    current = Layout(runner.world_size, zero_stage(runner.ds_config))
+    universal = needs_universal(saved, current, path)
     check_pickles([*shard_files(path), osp.join(path, CLIENT_FILE)], allow_unsafe)
     client = safe_load(osp.join(path, CLIENT_FILE), allow_unsafe)
     engine = runner.engines['model']
-    load_path, _ = engine.load_checkpoint(path, tag=DS_TAG, load_module_strict=True,
+    tag = DS_TAG
+    if universal:
+        runner.logger.info(f'Resharding {path}: {saved} -> {current}, through a DeepSpeed '
+                           'universal checkpoint (converted once, kept beside it).')
+        tag = convert(path, current.zero_stage)
+    elif saved != current:
+        runner.logger.info(f'Resuming {path} ({saved}) on {current}: ZeRO-0 state is whole.')
+    load_path, _ = engine.load_checkpoint(path, tag=tag, load_module_strict=True,
                                           load_optimizer_states=True,
                                           load_lr_scheduler_states=False)
     if load_path is None:
-        raise CheckpointError(f'DeepSpeed could not load {osp.join(path, DS_TAG)}.')
+        raise CheckpointError(f'DeepSpeed could not load {osp.join(path, tag)}.')
+    for group, hyper in zip(runner.optim_wrapper.optimizer.param_groups,
+                            client.get('optimizer_param_groups', [])):
+        group.update(hyper)
     ckpt_meta = client['meta']
     runner.train_loop._epoch = ckpt_meta['epoch']
     runner.train_loop._iter = ckpt_meta['iter']
@@ -83,7 +95,8 @@ def resume(runner: Any, path: str, allow_unsafe: bool) -> dict[str, Any]:
     if schedulers is not None and runner.param_schedulers:
         for scheduler, state in zip(runner.param_schedulers, schedulers):
             scheduler.load_state_dict(state)
-    rank_file = osp.join(path, RANK_FILE.format(rank=runner.rank))
+    # On another world size, rank r takes the RNG and buffers of rank r mod N.
+    rank_file = osp.join(path, RANK_FILE.format(rank=runner.rank % saved.world_size))
     load_rank_state(engine.module, safe_load(rank_file, allow_unsafe))
     runner.call_hook('after_load_checkpoint', checkpoint=client)
     return client

@@ -15,13 +15,26 @@ from mmengine.logging import MessageHub
 from mmengine.runner import Runner
 
 from mmengine_deepspeed.checkpoint.io import load_weights_into, read_weights
-from mmengine_deepspeed.checkpoint.layout import (CLIENT_FILE, DS_TAG, FORMAT_VERSION,
-                                                  LAST_CHECKPOINT, MARKER_FILE, META_FILE,
-                                                  RANK_FILE, CheckpointError, check_checkpoint,
-                                                  find_latest_complete)
+from mmengine_deepspeed.checkpoint.layout import (
+    CLIENT_FILE,
+    DS_TAG,
+    FORMAT_VERSION,
+    LAST_CHECKPOINT,
+    MARKER_FILE,
+    META_FILE,
+    RANK_FILE,
+    CheckpointError,
+    check_checkpoint,
+    find_latest_complete,
+)
+from mmengine_deepspeed.checkpoint.reshard import Layout, needs_universal
 from mmengine_deepspeed.checkpoint.safe_load import check_pickles, safe_load
-from mmengine_deepspeed.checkpoint.state import (hub_state, load_hub_state, load_rank_state,
-                                                 rank_state)
+from mmengine_deepspeed.checkpoint.state import (
+    hub_state,
+    load_hub_state,
+    load_rank_state,
+    rank_state,
+)
 from mmengine_deepspeed.cli import describe
 from tests.helpers import ToyModel, toy_config
 
@@ -52,8 +65,8 @@ def test_valid_checkpoint_passes(tmp_path: Any) -> None:
 def test_file_instead_of_directory(tmp_path: Any) -> None:
     path = tmp_path / 'epoch_1.pth'
     path.write_bytes(b'x')
-    with pytest.raises(CheckpointError, match='is a file, but a DeepSpeedRunner checkpoint is a '
-                                              'directory.*load_from without resume'):
+    with pytest.raises(CheckpointError, match=r'is a file, but a DeepSpeedRunner checkpoint is '
+                                              r'a directory\..*load_from without resume'):
         check_checkpoint(str(path))
 
 
@@ -87,7 +100,7 @@ def test_truncated_shard_names_the_file(tmp_path: Any) -> None:
 def test_missing_rank_state(tmp_path: Any) -> None:
     path = make_checkpoint(str(tmp_path / 'ck'))
     os.remove(osp.join(path, RANK_FILE.format(rank=0)))
-    with pytest.raises(CheckpointError, match='rank_state_rank0.pt is missing'):
+    with pytest.raises(CheckpointError, match=r'rank_state_rank0\.pt is missing'):
         check_checkpoint(path)
 
 
@@ -102,7 +115,8 @@ def test_other_format_version(tmp_path: Any) -> None:
 def test_shape_mismatch_names_the_file(tmp_path: Any) -> None:
     path = str(tmp_path / 'other.pth')
     torch.save({'state_dict': ToyModel(hidden=32).state_dict()}, path)
-    with pytest.raises(CheckpointError, match=r'(?s)other.pth does not fit this model.*size mismatch'):
+    with pytest.raises(CheckpointError,
+                       match=r'(?s)other\.pth does not fit this model.*size mismatch'):
         load_weights_into(ToyModel(), path, strict=False, revise_keys=[],
                           allow_unsafe=False, logger=_Log())
 
@@ -112,7 +126,7 @@ def test_strict_load_refuses_missing_keys(tmp_path: Any) -> None:
     state = ToyModel().state_dict()
     state.pop('fc2.bias')
     torch.save(state, path)
-    with pytest.raises(CheckpointError, match='fc2.bias'):
+    with pytest.raises(CheckpointError, match=r'fc2\.bias'):
         load_weights_into(ToyModel(), path, strict=True, revise_keys=[],
                           allow_unsafe=False, logger=_Log())
     log = _Log()
@@ -268,3 +282,22 @@ def test_old_checkpoint_removal_order(tmp_path: Any, hook: str, before_second_sa
     runner.train()
     assert _ProbeRunner.seen == [[], before_second_save]
     assert sorted(f for f in os.listdir(tmp_path) if f.startswith('iter_')) == ['iter_4.pth']
+
+
+# --- which layout changes resume supports ------------------------------------------
+
+@pytest.mark.parametrize(('saved', 'current', 'universal'), [
+    ((2, 2), (2, 2), False), ((2, 0), (1, 0), False), ((2, 2), (1, 2), True),
+    ((1, 3), (2, 3), True), ((2, 1), (2, 3), True), ((2, 2), (2, 1), True)])
+def test_supported_layout_changes(saved: tuple, current: tuple, universal: bool) -> None:
+    assert needs_universal(Layout(*saved), Layout(*current), 'ck') is universal
+
+
+@pytest.mark.parametrize(('saved', 'current', 'fragment'), [
+    ((2, 0), (2, 2), 'between ZeRO-0 and ZeRO-1/2/3'),
+    ((2, 3), (1, 0), 'between ZeRO-0 and ZeRO-1/2/3'),
+    ((2, 3), (2, 2), 'cannot load a ZeRO-3 universal checkpoint into ZeRO-1/2')])
+def test_unsupported_layout_changes_fail_early(saved: tuple, current: tuple,
+                                               fragment: str) -> None:
+    with pytest.raises(CheckpointError, match=fragment):
+        needs_universal(Layout(*saved), Layout(*current), 'ck')
