@@ -30,13 +30,14 @@ from mmengine.hooks import CheckpointHook
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper, revert_sync_batchnorm
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.registry import RUNNERS
-from mmengine.runner import Runner
+from mmengine.runner import EpochBasedTrainLoop, Runner
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from .checkpoint import io as ckpt_io
 from .checkpoint.hook import DeepSpeedCheckpointHook  # noqa: F401  registers it
+from .checkpoint.loop import ResumableEpochBasedTrainLoop  # noqa: F401  registers it
 from .checkpoint.layout import check_checkpoint, find_latest_complete
 from .checkpoint.reshard import Layout, needs_universal
 from .config import DsConfigSource, MMEngineSide, precision, resolve_ds_config, zero_stage
@@ -228,6 +229,16 @@ class DeepSpeedRunner(Runner):
     def bare_model(self) -> nn.Module:
         """The user's model, wrapped or not."""
         return self.model.module if is_model_wrapper(self.model) else self.model
+
+    def build_train_loop(self, loop: Any) -> Any:
+        """MMEngine's train loop, with epoch-based loops able to resume mid-epoch."""
+        if isinstance(loop, dict):
+            loop = dict(loop)
+            if loop.get('type') in ('EpochBasedTrainLoop', EpochBasedTrainLoop) \
+                    or ('type' not in loop and loop.get('by_epoch')):
+                loop['type'] = 'ResumableEpochBasedTrainLoop'
+                loop.pop('by_epoch', None)
+        return super().build_train_loop(loop)
 
     def _init_model_weights(self) -> None:
         """Run ``init_weights()`` once, before DeepSpeed partitions anything.
