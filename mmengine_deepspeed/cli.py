@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument('--dtype', choices=['fp32', 'bf16', 'fp16'], default='fp32')
     convert.add_argument('--safetensors', action='store_true',
                          help='write safetensors (default: a torch .pth)')
+    convert.add_argument('--ema', action='store_true',
+                         help='export the EMA weights (runs with EMAHook)')
     convert.add_argument('--allow-unsafe', action='store_true',
                          help='load shards with full unpickling (trusted files only)')
     inspect_cmd = sub.add_parser('inspect', help='describe a checkpoint directory')
@@ -109,7 +111,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .checkpoint.export import export_checkpoint
 
         out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype,
-                                safetensors=args.safetensors, allow_unsafe=args.allow_unsafe)
+                                safetensors=args.safetensors, allow_unsafe=args.allow_unsafe,
+                                ema=args.ema)
         print(f'wrote {out}')
     elif args.command == 'inspect':
         print(describe(args.checkpoint))

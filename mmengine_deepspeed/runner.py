@@ -26,7 +26,7 @@ from typing import Any, Optional, Union
 import deepspeed
 import torch
 from mmengine.config import Config
-from mmengine.hooks import CheckpointHook
+from mmengine.hooks import CheckpointHook, EMAHook
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper, revert_sync_batchnorm
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.registry import RUNNERS
@@ -37,11 +37,12 @@ from torch.utils.data import DataLoader
 
 from .checkpoint import io as ckpt_io
 from .checkpoint.hook import DeepSpeedCheckpointHook  # noqa: F401  registers it
-from .checkpoint.loop import ResumableEpochBasedTrainLoop  # noqa: F401  registers it
 from .checkpoint.layout import check_checkpoint, find_latest_complete
+from .checkpoint.loop import ResumableEpochBasedTrainLoop  # noqa: F401  registers it
 from .checkpoint.reshard import Layout, needs_universal
 from .config import DsConfigSource, MMEngineSide, precision, resolve_ds_config, zero_stage
 from .dist import cuda_available, init_distributed
+from .ema import DeepSpeedEMAHook
 from .engine import DeepSpeedEngineWrapper
 from .optim_wrapper import DeepSpeedOptimWrapper
 
@@ -308,6 +309,9 @@ class DeepSpeedRunner(Runner):
                 allow_unsafe=self.allow_unsafe_checkpoints, logger=self.logger)
             self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
             self._has_loaded = True
+        for hook in self.hooks:
+            if isinstance(hook, DeepSpeedEMAHook):
+                hook.take_template(model)  # full fp32 weights, before partitioning
         match_norm_buffers(ds_config, model)
         resume_from = self._resume_path() if optimizer is not None else None
         if resume_from is not None:
@@ -355,6 +359,13 @@ class DeepSpeedRunner(Runner):
         if 'checkpoint' not in hooks or hooks['checkpoint'] is not None:
             hooks['checkpoint'] = checkpoint
         super().register_default_hooks(hooks)
+
+    def register_custom_hooks(self, hooks: list) -> None:
+        """MMEngine's custom hooks, with ``EMAHook`` made DeepSpeed-aware."""
+        hooks = [dict(hook, type='DeepSpeedEMAHook')
+                 if isinstance(hook, dict) and hook.get('type') in ('EMAHook', EMAHook) else hook
+                 for hook in hooks]
+        super().register_custom_hooks(hooks)
 
     def save_checkpoint(self, out_dir: str, filename: str,
                         file_client_args: Optional[dict] = None, save_optimizer: bool = True,

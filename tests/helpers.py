@@ -246,6 +246,14 @@ def probe_inputs() -> torch.Tensor:
     return torch.rand(5, IN_FEATURES, generator=torch.Generator().manual_seed(99))
 
 
+def ema_state(runner: Any) -> Optional[dict[str, torch.Tensor]]:
+    """The averaged weights of the runner's EMA hook, if it has one."""
+    for hook in runner.hooks:
+        if hasattr(hook, 'ema_model'):
+            return model_state(hook.ema_model.module)
+    return None
+
+
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of ``model`` as fp32 CPU tensors."""
     return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-from .layout import DS_TAG, check_checkpoint, shard_files
+from .layout import CLIENT_FILE, DS_TAG, CheckpointError, check_checkpoint, shard_files
 from .safe_load import check_pickles, safe_load
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
@@ -50,8 +50,21 @@ def cast_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype,
             for k, v in items}
 
 
+def ema_state_dict(path: str, allow_unsafe: bool = False) -> dict[str, torch.Tensor]:
+    """The EMA weights (DeepSpeedEMAHook) of checkpoint ``path``, keys as the model's."""
+    check_checkpoint(path)
+    client = safe_load(osp.join(path, CLIENT_FILE), allow_unsafe)
+    ema = client.get('ema_state_dict')
+    if ema is None:
+        raise CheckpointError(f'{osp.join(path, CLIENT_FILE)} holds no EMA weights: the run had '
+                              'no EMAHook. Export without --ema.')
+    prefix = 'module.'
+    return {k[len(prefix):]: v for k, v in ema.items() if k.startswith(prefix)}
+
+
 def export_checkpoint(path: str, out: str, dtype: str = 'fp32', safetensors: bool = False,
-                      allow_unsafe: bool = False, progress: Optional[bool] = None) -> str:
+                      allow_unsafe: bool = False, progress: Optional[bool] = None,
+                      ema: bool = False) -> str:
     """Write checkpoint ``path`` as one weights file MMEngine loads without DeepSpeed.
 
     The ``.pth`` holds ``{'meta': ..., 'state_dict': ...}`` (what
@@ -68,6 +81,8 @@ def export_checkpoint(path: str, out: str, dtype: str = 'fp32', safetensors: boo
         allow_unsafe (bool): Skip the pickle allow-list. Defaults to False.
         progress (bool, optional): Show a progress bar; None shows one for
             checkpoints over 1 GiB. Defaults to None.
+        ema (bool): Export the EMA weights (DeepSpeedEMAHook) instead of the
+            trained ones. Defaults to False.
 
     Returns:
         str: ``out``.
@@ -77,11 +92,12 @@ def export_checkpoint(path: str, out: str, dtype: str = 'fp32', safetensors: boo
     if osp.isdir(out):
         raise ValueError(f'{out!r} is a directory; give the path of the file to write.')
     meta = check_checkpoint(path)
-    state = consolidated_state_dict(path, allow_unsafe)
+    state = (ema_state_dict(path, allow_unsafe) if ema
+             else consolidated_state_dict(path, allow_unsafe))
     if progress is None:
         progress = sum(v.numel() * v.element_size() for v in state.values()) > 2**30
     state = cast_state_dict(state, DTYPES[dtype], progress)
-    meta = dict(meta, exported_dtype=dtype)
+    meta = dict(meta, exported_dtype=dtype, exported_weights='ema' if ema else 'trained')
     if safetensors:
         from safetensors.torch import save_file
         save_file(state, out, metadata={'meta': json.dumps(meta, sort_keys=True)})

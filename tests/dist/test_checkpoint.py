@@ -43,6 +43,8 @@ RESUME_CASES: dict[str, tuple[dict, str]] = {
                        optimizer={'type': 'AdamW', 'lr': 0.01}), 'iter_4.pth'),
     'z3_epochs': (dict(ds_config=zero(3), by_epoch=True,
                        checkpoint={'type': 'CheckpointHook', 'interval': 1}), 'epoch_1.pth'),
+    'z3_bf16_ema': (dict(ds_config=zero(3, bf16=BF16), checkpoint=EVERY_4, custom_hooks=[
+        {'type': 'EMAHook', 'momentum': 0.2}, {'type': 'RecorderHook'}]), 'iter_4.pth'),
     # by iteration inside an epoch-based loop: iter 6 is mid-way through epoch 2 (4 per epoch)
     'z2_mid_epoch': (dict(ds_config=zero(2), by_epoch=True, max_epochs=3,
                           checkpoint={'type': 'CheckpointHook', 'interval': 6, 'by_epoch': False}),
@@ -132,6 +134,8 @@ def test_resume_is_exact(results: dict, case: str) -> None:
         assert resumed['losses'] == straight['losses'][done:]
         assert resumed['lrs'] == straight['lrs'][done:]
         assert resumed['global_steps'] == straight['global_steps']
+        if straight['ema'] is not None:
+            assert _max_diff(straight['ema'], resumed['ema']) == 0.0
 
 
 def test_checkpoint_directories_and_last_checkpoint(results: dict, out: str) -> None:
@@ -212,6 +216,19 @@ def test_convert_exports_one_file_mmengine_loads(results: dict, out: str, fmt: s
         model.load_state_dict(load_file(target), strict=True)
     assert _max_diff({k: v.float() for k, v in model.state_dict().items()},
                      _source_state(results, 'straight_z3')) == 0.0
+
+
+def test_convert_exports_the_ema_weights(results: dict, out: str) -> None:
+    target = osp.join(out, 'export_ema.pth')
+    proc = _cli('convert', osp.join(out, 'straight_z3_bf16_ema', 'iter_8.pth'), target, '--ema')
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    model = ToyModel()
+    checkpoint = load_checkpoint(model, target, strict=True)
+    assert checkpoint['meta']['exported_weights'] == 'ema'
+    ema = results['straight_z3_bf16_ema'][0]['ema']
+    assert _max_diff({k: v.float() for k, v in model.state_dict().items()}, ema) == 0.0
+    refused = _cli('convert', osp.join(out, 'straight_z3', 'iter_8.pth'), target, '--ema')
+    assert refused.returncode != 0 and 'holds no EMA weights' in refused.stdout
 
 
 def test_convert_to_bf16(results: dict, out: str) -> None:

@@ -16,7 +16,7 @@ import torch
 from mmengine.config import Config
 from mmengine.runner import Runner
 
-from tests.helpers import ToyModel, model_state, recorder, run_torchrun, toy_config
+from tests.helpers import ToyModel, ema_state, model_state, recorder, run_torchrun, toy_config
 
 pytestmark = pytest.mark.dist
 
@@ -39,6 +39,8 @@ TRAIN_SCENARIOS: dict[str, dict[str, Any]] = {
 
 # Parity: no BatchNorm (per-rank batch statistics differ from whole-batch ones).
 ADAMW = {'type': 'AdamW', 'lr': 0.01, 'weight_decay': 0.05}
+EMA = {'type': 'EMAHook', 'momentum': 0.2, 'begin_iter': 2}
+RECORDER = {'type': 'RecorderHook'}
 PARITY_SCENARIOS: dict[str, dict[str, Any]] = {
     'parity_zero0': dict(ds_config={'zero_optimization': {'stage': 0}},
                          clip_grad={'max_norm': 0.5},
@@ -50,6 +52,13 @@ PARITY_SCENARIOS: dict[str, dict[str, Any]] = {
     'parity_zero1': dict(ds_config={'zero_optimization': {'stage': 1}}, optimizer=ADAMW),
     'parity_zero3': dict(ds_config={'zero_optimization': {'stage': 3}},
                          clip_grad={'max_norm': 0.5}),
+    # EMAHook: the averaged weights, and validation on them, as MMEngine computes them.
+    'parity_ema_zero0': dict(ds_config={'zero_optimization': {'stage': 0}}, val_interval=4,
+                             custom_hooks=[EMA, RECORDER]),
+    'parity_ema_zero2': dict(ds_config={'zero_optimization': {'stage': 2}}, val_interval=4,
+                             custom_hooks=[EMA, RECORDER]),
+    'parity_ema_zero3': dict(ds_config={'zero_optimization': {'stage': 3}}, val_interval=4,
+                             custom_hooks=[EMA, RECORDER]),
 }
 for _cfg in PARITY_SCENARIOS.values():
     _cfg['with_bn'] = False
@@ -121,7 +130,8 @@ def _baseline(tmp_path: Any, cfg: dict) -> dict:
     runner = Runner.from_cfg(Config(runner_cfg))
     runner.train()
     rec = recorder(runner)
-    return dict(state=model_state(runner.model), lrs=rec.lrs)
+    return dict(state=model_state(runner.model), lrs=rec.lrs, ema=ema_state(runner),
+                metrics=rec.metrics)
 
 
 @pytest.mark.parametrize('name', list(PARITY_SCENARIOS))
@@ -134,6 +144,13 @@ def test_parity_with_plain_mmengine(results: dict, tmp_path: Any, name: str) -> 
     print(f'{name}: max abs diff {worst:.3e}')
     assert worst <= 1e-6, diffs
     assert ours['lrs'] == pytest.approx(base['lrs'], abs=1e-12)
+    if base['ema'] is not None:
+        ema_diff = max((ours['ema'][k] - v).abs().max().item() for k, v in base['ema'].items())
+        print(f'{name}: EMA max abs diff {ema_diff:.3e}')
+        assert ema_diff <= 1e-6
+        assert ours['metrics'] == base['metrics']  # validation ran on the EMA weights
+        assert max((ours['ema'][k] - v).abs().max().item()
+                   for k, v in ours['state'].items()) > 1e-3  # EMA differs from the weights
     # The run moved the weights, so the equality above is not trivial.
     init = ToyModel(with_bn=False)
     init.init_weights()

@@ -29,7 +29,7 @@ from mmengine.registry import RUNNERS
 import mmengine_deepspeed  # noqa: F401
 from mmengine_deepspeed.checkpoint import save as save_module
 from mmengine_deepspeed.checkpoint.layout import MARKER_FILE
-from tests.helpers import model_state, probe_inputs, recorder, toy_config
+from tests.helpers import ema_state, model_state, probe_inputs, recorder, toy_config
 
 
 def _as_test_only(cfg: dict) -> dict:
@@ -92,7 +92,7 @@ def run(out_dir: str, scenario: dict) -> None:
     result.update(
         state=state, world_size=runner.world_size, stage=engine.zero_optimization_stage(),
         param_dtype=str(next(module.parameters()).dtype), global_steps=engine.global_steps,
-        has_optimizer=engine.client_optimizer is not None,
+        has_optimizer=engine.client_optimizer is not None, ema=ema_state(runner),
         engine_optimizer=type(engine.optimizer).__name__, backend=torch.distributed.get_backend(),
         wrapper=type(runner.model).__name__, module=type(module).__name__)
     torch.save(result, osp.join(out_dir, f'{name}.rank{runner.rank}.pt'))

@@ -1,0 +1,148 @@
+"""EMAHook for DeepSpeed engines: averages the full fp32 weights under ZeRO 0-3.
+
+MMEngine's ``EMAHook`` deep-copies ``runner.model.module`` and reads its
+parameters every iteration. Under ZeRO-3 those parameters are empty
+partitions, under bf16 they are bf16, and its checkpoint code expects a
+``state_dict`` entry our checkpoints do not have. This subclass keeps
+MMEngine's averaging (the same ``ExponentialMovingAverage`` & co. models,
+``begin_iter`` / ``begin_epoch``, ``strict_load``) but:
+
+* builds the averaged model from an fp32 copy of the model taken before
+  DeepSpeed partitions it (the runner hands it over);
+* reads the source weights gathered (ZeRO-3) and in fp32;
+* for validation and test, writes the EMA weights into the engine's module
+  and restores the trained ones afterwards (``GatheredParameters`` with a
+  modifier rank under ZeRO-3), leaving DeepSpeed's fp32 masters untouched;
+* saves and resumes ``ema_state_dict`` in our client state, which
+  ``mmengine-deepspeed convert --ema`` exports.
+
+DeepSpeedRunner uses it wherever a config asks for ``EMAHook``.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import deepspeed
+import torch
+from mmengine.hooks import EMAHook
+from mmengine.registry import HOOKS, MODELS
+from torch import nn
+
+
+class _Fp32View:
+    """What ``BaseAveragedModel.update_parameters`` reads, as fp32 tensors."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().float() for k, v in self.module.state_dict().items()}
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((k, v.detach().float()) for k, v in self.module.named_parameters())
+
+    def buffers(self) -> Iterator[torch.Tensor]:
+        return (b.detach() for b in self.module.buffers())
+
+
+@contextmanager
+def gathered(module: nn.Module, modify: bool = False) -> Iterator[None]:
+    """Full parameters inside the block (a no-op unless ZeRO-3 partitions them).
+
+    Args:
+        module (nn.Module): The engine's module.
+        modify (bool): Whether the block writes the parameters; rank 0's
+            values are then re-partitioned to every rank. Defaults to False.
+    """
+    params = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None):
+        yield
+
+
+@HOOKS.register_module()
+class DeepSpeedEMAHook(EMAHook):
+    """:class:`mmengine.hooks.EMAHook` for models inside a DeepSpeed engine.
+
+    Args:
+        **kwargs: The arguments of :class:`mmengine.hooks.EMAHook`.
+    """
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._template: Optional[nn.Module] = None
+        self._trained: Optional[dict[str, torch.Tensor]] = None
+
+    def take_template(self, model: nn.Module) -> None:
+        """Keep an fp32 copy of the bare model (called before ``deepspeed.initialize``)."""
+        self._template = copy.deepcopy(model).float()
+
+    def before_run(self, runner: Any) -> None:
+        """Build the averaged model from the fp32 template."""
+        if self._template is None:
+            raise RuntimeError('DeepSpeedEMAHook needs DeepSpeedRunner, which hands it an fp32 '
+                               'copy of the model before DeepSpeed partitions it.')
+        self.src_model = runner.model.module
+        self.ema_model = MODELS.build(self.ema_cfg, default_args=dict(model=self._template))
+        self._template = None
+
+    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
+                         outputs: Optional[dict] = None) -> None:
+        """Average the gathered fp32 weights (or copy them before EMA starts)."""
+        with gathered(self.src_model):
+            source = _Fp32View(self.src_model)
+            if self._ema_started(runner):
+                self.ema_model.update_parameters(source)
+            else:
+                current = source.state_dict()
+                for key, value in self.ema_model.module.state_dict().items():
+                    value.data.copy_(current[key])
+
+    def _swap_ema_parameters(self) -> None:
+        """Put the EMA weights into the model, or the trained ones back.
+
+        MMEngine swaps in place; here the trained weights are kept aside
+        (exact, in their own dtype) and the EMA ones cast into the model.
+        """
+        names = [name for name, _ in self._averaged_items()]
+        with gathered(self.src_model, modify=True):
+            live = dict(self._live_items())
+            if self._trained is None:
+                self._trained = {n: live[n].detach().clone() for n in names}
+                averaged = dict(self._averaged_items())
+                for name in names:
+                    live[name].data.copy_(averaged[name].data)
+            else:
+                for name in names:
+                    live[name].data.copy_(self._trained[name])
+                self._trained = None
+
+    def _averaged_items(self) -> list[tuple[str, torch.Tensor]]:
+        module = self.ema_model.module
+        items = list(module.named_parameters())
+        if self.ema_model.update_buffers:
+            items += list(module.named_buffers())
+        return items
+
+    def _live_items(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.src_model.named_parameters()) + list(self.src_model.named_buffers())
+
+    def before_save_checkpoint(self, runner: Any, checkpoint: dict) -> None:
+        """Save the averaged model (full fp32 weights, ``module.``-prefixed keys)."""
+        checkpoint['ema_state_dict'] = self.ema_model.state_dict()
+
+    def after_load_checkpoint(self, runner: Any, checkpoint: dict) -> None:
+        """Resume the averaged model; ``load_from`` weights are in the template already."""
+        if not runner._resume:
+            return
+        if 'ema_state_dict' in checkpoint:
+            self.ema_model.load_state_dict(checkpoint['ema_state_dict'], strict=self.strict_load)
+            return
+        runner.logger.warning('The checkpoint has no ema_state_dict; EMAHook starts from the '
+                              'resumed weights.')
+        with gathered(self.src_model):
+            current = _Fp32View(self.src_model).state_dict()
+            for key, value in self.ema_model.module.state_dict().items():
+                value.data.copy_(current[key])
