@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import os.path as osp
+import sys
 from collections.abc import Sequence
 from typing import Optional
 
@@ -102,8 +103,19 @@ def describe(path: str) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the console script."""
+    """Entry point of the console script; our errors print as one line, exit 2."""
+    from .checkpoint.layout import CheckpointError
+    from .config import DsConfigError
+
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (CheckpointError, DsConfigError, FileNotFoundError, ValueError) as e:
+        print(f'mmengine-deepspeed {args.command}: error: {e}', file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == 'train':
         os.environ.setdefault('OMP_NUM_THREADS', '1')
         train(args.config, args.work_dir, args.launcher, args.cfg_options)

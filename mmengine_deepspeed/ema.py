@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Optional
 
-import deepspeed
 import torch
 from mmengine.hooks import EMAHook
 from mmengine.registry import HOOKS, MODELS
 from torch import nn
+
+from .engine import gathered
 
 
 class _Fp32View:
@@ -46,20 +46,6 @@ class _Fp32View:
 
     def buffers(self) -> Iterator[torch.Tensor]:
         return (b.detach() for b in self.module.buffers())
-
-
-@contextmanager
-def gathered(module: nn.Module, modify: bool = False) -> Iterator[None]:
-    """Full parameters inside the block (a no-op unless ZeRO-3 partitions them).
-
-    Args:
-        module (nn.Module): The engine's module.
-        modify (bool): Whether the block writes the parameters; rank 0's
-            values are then re-partitioned to every rank. Defaults to False.
-    """
-    params = list(module.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None):
-        yield
 
 
 @HOOKS.register_module()

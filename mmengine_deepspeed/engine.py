@@ -8,9 +8,11 @@ the engine's bookkeeping see every step. Nothing is patched onto the engine.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Optional, Union
 
+import deepspeed
 import torch
 from deepspeed import DeepSpeedEngine
 from mmengine.model import BaseDataPreprocessor, BaseModel
@@ -47,6 +49,20 @@ def cast_floating(data: Any, dtype: torch.dtype) -> Any:
     if isinstance(data, (list, tuple)):
         return type(data)(cast_floating(v, dtype) for v in data)
     return data
+
+
+@contextmanager
+def gathered(module: nn.Module, modify: bool = False) -> Iterator[None]:
+    """Full parameters inside the block (a no-op unless ZeRO-3 partitions them).
+
+    Args:
+        module (nn.Module): The engine's module.
+        modify (bool): Whether the block writes the parameters; rank 0's
+            values are then re-partitioned to every rank. Defaults to False.
+    """
+    params = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None):
+        yield
 
 
 def _overrides(module: nn.Module, method: str) -> bool:

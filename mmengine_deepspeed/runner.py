@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import inspect
 import os.path as osp
+from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any, Optional, Union
 
 import deepspeed
@@ -43,7 +45,7 @@ from .checkpoint.reshard import Layout, needs_universal
 from .config import DsConfigSource, MMEngineSide, precision, resolve_ds_config, zero_stage
 from .dist import cuda_available, init_distributed
 from .ema import DeepSpeedEMAHook
-from .engine import DeepSpeedEngineWrapper
+from .engine import DeepSpeedEngineWrapper, gathered
 from .optim_wrapper import DeepSpeedOptimWrapper
 
 # torch optimizers that update each element from its own gradient and state
@@ -303,12 +305,9 @@ class DeepSpeedRunner(Runner):
             ds_config.setdefault('zero_allow_untested_optimizer', True)
         model = self.bare_model
         if self._load_from is not None and not self._resume and not self._has_loaded:
-            # Plain weights go into the bare model, so ZeRO-3 partitions them.
-            checkpoint = ckpt_io.load_weights_into(
-                model, self._load_from, strict=False, revise_keys=[(r'^module\.', '')],
-                allow_unsafe=self.allow_unsafe_checkpoints, logger=self.logger)
-            self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
-            self._has_loaded = True
+            # Into the bare model, so DeepSpeed partitions (and keeps fp32
+            # masters of) the loaded weights.
+            self.load_checkpoint(self._load_from)
         for hook in self.hooks:
             if isinstance(hook, DeepSpeedEMAHook):
                 hook.take_template(model)  # full fp32 weights, before partitioning
@@ -359,6 +358,42 @@ class DeepSpeedRunner(Runner):
         if 'checkpoint' not in hooks or hooks['checkpoint'] is not None:
             hooks['checkpoint'] = checkpoint
         super().register_default_hooks(hooks)
+
+    def load_checkpoint(self, filename: str, map_location: Any = 'cpu', strict: bool = False,
+                        revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)) -> dict:
+        """Load weights (our checkpoint directory, ``.pth`` or ``.safetensors``).
+
+        Before the engine exists (``load_from``) the weights go into the bare
+        model; into an evaluation engine they are written under
+        ``GatheredParameters`` (ZeRO-3). A training engine keeps fp32
+        masters the weights would not reach: use ``load_from`` (or
+        ``resume``) instead. ``map_location`` is accepted for MMEngine
+        compatibility; weights are read on CPU.
+
+        Args:
+            filename (str): What to load.
+            map_location (Any): Ignored. Defaults to ``'cpu'``.
+            strict (bool): Refuse missing or unexpected keys. Defaults to False.
+            revise_keys (Sequence[tuple[str, str]]): ``(pattern, replacement)``
+                rewrites of the checkpoint's keys. Defaults to stripping
+                ``module.``.
+
+        Returns:
+            dict: ``{'meta': ..., 'state_dict': ...}``.
+        """
+        engine = self.engines.get(ENGINE_KEY)
+        if engine is not None and engine.client_optimizer is not None:
+            raise RuntimeError(
+                f'load_checkpoint({filename!r}) after the training engine was built would not '
+                'reach its fp32 master weights; set load_from (or resume) before train().')
+        model = self.bare_model
+        with gathered(model, modify=True) if engine is not None else nullcontext():
+            checkpoint = ckpt_io.load_weights_into(
+                model, filename, strict=strict, revise_keys=list(revise_keys),
+                allow_unsafe=self.allow_unsafe_checkpoints, logger=self.logger)
+        self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
+        self._has_loaded = True
+        return checkpoint
 
     def register_custom_hooks(self, hooks: list) -> None:
         """MMEngine's custom hooks, with ``EMAHook`` made DeepSpeed-aware."""

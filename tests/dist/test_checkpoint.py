@@ -67,10 +67,12 @@ def plain_weights(out: str) -> dict[str, str]:
     state = {k: v.clone() for k, v in model.state_dict().items()}
     paths = {'wrapped': osp.join(out, 'pretrained.pth'), 'bare': osp.join(out, 'bare.pth'),
              'prefixed': osp.join(out, 'prefixed.pth'),
+             'backbone': osp.join(out, 'backbone.pth'),
              'safetensors': osp.join(out, 'pretrained.safetensors')}
     torch.save({'meta': {'source': 'test'}, 'state_dict': state}, paths['wrapped'])
     torch.save(state, paths['bare'])
     torch.save({'state_dict': {f'module.{k}': v for k, v in state.items()}}, paths['prefixed'])
+    torch.save({f'backbone.{k}': v for k, v in state.items()}, paths['backbone'])
     save_file(state, paths['safetensors'])
     model.eval()
     with torch.no_grad():
@@ -99,9 +101,17 @@ def _scenarios(out: str, plain: dict[str, str]) -> list[str]:
         {'name': 'load_z3bf16_into_z2', 'mode': 'test', 'cfg': dict(
             ds_config=zero(2), load_from=osp.join(out, 'straight_z3_bf16', 'iter_8.pth'))},
     ]
-    for kind, path in plain.items():
+    for kind in ('wrapped', 'bare', 'prefixed', 'safetensors'):
         items.append({'name': f'load_{kind}_into_z3', 'mode': 'test',
-                      'cfg': dict(ds_config=zero(3), load_from=path)})
+                      'cfg': dict(ds_config=zero(3), load_from=plain[kind])})
+    # runner.load_checkpoint into a built ZeRO-3 evaluation engine, strict, keys revised.
+    items.append({'name': 'reload_into_z3', 'mode': 'test_reload', 'reload': plain['backbone'],
+                  'cfg': dict(ds_config=zero(3))})
+    # Finetuning: load_from under ZeRO-1/2 must reach the fp32 masters (lr 0 keeps them).
+    for stage in (1, 2):
+        items.append({'name': f'finetune_z{stage}', 'cfg': dict(
+            ds_config=zero(stage), load_from=plain['wrapped'], max_iters=2, val=False,
+            param_scheduler=None, optimizer={'type': 'SGD', 'lr': 0.0})})
     return [json.dumps(i) for i in items]
 
 
@@ -185,16 +195,32 @@ def test_load_from_bf16_checkpoint_takes_fp32_masters(results: dict) -> None:
         assert torch.equal(loaded[key].to(torch.bfloat16).float(), value), key
 
 
-@pytest.mark.parametrize('kind', ['wrapped', 'bare', 'prefixed', 'safetensors'])
-def test_load_from_plain_weights_into_zero3(results: dict, out: str, kind: str) -> None:
-    expected = torch.load(osp.join(out, 'pretrained_logits.pt'))
+def _pretrained(out: str) -> ToyModel:
     source = ToyModel()
     load_checkpoint(source, osp.join(out, 'pretrained.pth'))
-    for rank in results[f'load_{kind}_into_z3']:
+    return source
+
+
+@pytest.mark.parametrize('kind', ['wrapped', 'bare', 'prefixed', 'safetensors', 'reload'])
+def test_load_from_plain_weights_into_zero3(results: dict, out: str, kind: str) -> None:
+    expected = torch.load(osp.join(out, 'pretrained_logits.pt'))
+    source = _pretrained(out)
+    name = 'reload_into_z3' if kind == 'reload' else f'load_{kind}_into_z3'
+    for rank in results[name]:
         assert rank['stage'] == 3 and rank['has_optimizer'] is False
         torch.testing.assert_close(rank['probe_logits'], expected, rtol=0, atol=1e-6)
         for key, value in source.state_dict().items():
             assert torch.equal(rank['state'][key], value.float()), key
+
+
+@pytest.mark.parametrize('stage', [1, 2])
+def test_finetune_load_from_reaches_the_fp32_masters(results: dict, out: str,
+                                                      stage: int) -> None:
+    """Loaded after initialize, the first step would restore ZeRO's stale masters."""
+    source = _pretrained(out)
+    for rank in results[f'finetune_z{stage}']:
+        for name, param in source.named_parameters():
+            assert torch.equal(rank['state'][name], param.detach()), name
 
 
 def _cli(*args: str) -> Any:

@@ -83,3 +83,11 @@ def test_cli_train_with_launcher_none(tmp_path: Any) -> None:
     log = _log_text(work_dir)
     assert 'DeepSpeed engine ready: ZeRO-2, bf16, world size 1' in log
     assert 'Epoch(train) [1][8/8]' in log
+
+
+def test_deepspeed_8499_zero3_load_ignores_tag(tmp_path: Any) -> None:
+    """Pins DeepSpeed #8499, which our load_from avoids (tested in test_checkpoint.py)."""
+    proc = run_command([sys.executable, 'tests/dist/ds8499_worker.py', str(tmp_path)],
+                       timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert 'LOADED_A False LOADED_B True' in proc.stdout, proc.stdout[-3000:]

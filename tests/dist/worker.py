@@ -2,7 +2,9 @@
 
 Usage (under torchrun): ``worker.py OUT_DIR SCENARIO_JSON [SCENARIO_JSON ...]``.
 Each scenario is a JSON dict ``{"name": ..., "mode": "train" | "test",
-"cfg": {toy_config kwargs}}`` with optional ``"work_dir"`` (default
+"cfg": {toy_config kwargs}}`` (mode ``"test_reload"`` tests, then loads
+``"reload"`` into the built engine with ``runner.load_checkpoint`` and tests
+again) with optional ``"work_dir"`` (default
 ``OUT_DIR/NAME``), ``"unmark"`` (a checkpoint whose COMPLETE marker rank 0
 deletes first, as if its save had been killed) and ``"kill_rank1_at_iter"``
 (rank 1 SIGKILLs itself in the middle of the save taken at that iteration:
@@ -64,14 +66,19 @@ def run(out_dir: str, scenario: dict) -> None:
     if 'kill_rank1_at_iter' in scenario:
         _kill_rank1_during_save_at(scenario['kill_rank1_at_iter'], runner_box)
     cfg = toy_config(scenario.get('work_dir', osp.join(out_dir, name)), **scenario.get('cfg', {}))
-    if mode == 'test':
+    if mode in ('test', 'test_reload'):
         cfg = _as_test_only(cfg)
     cfg.update(runner_type='DeepSpeedRunner', launcher='pytorch')
     runner = RUNNERS.build(Config(cfg))
     runner_box.append(runner)
     result: dict[str, Any] = {}
-    if mode == 'test':
-        result['test_metrics'] = {k: float(v) for k, v in runner.test().items()}
+    if mode in ('test', 'test_reload'):
+        metrics = runner.test()
+        if mode == 'test_reload':  # into the built (evaluation) engine, keys rewritten
+            runner.load_checkpoint(scenario['reload'], strict=True,
+                                   revise_keys=[(r'^backbone\.', '')])
+            metrics = runner.test()
+        result['test_metrics'] = {k: float(v) for k, v in metrics.items()}
         runner.model.eval()
         with torch.no_grad():
             result['probe_logits'] = runner.model(probe_inputs()).float().cpu()
