@@ -142,6 +142,23 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         else:
             self.engine.zero_grad()
 
+    def state_dict(self) -> dict:
+        """Refused: under ZeRO each rank holds only its partition of the state.
+
+        Optimizer state is saved and resumed with the engine, by the runner's
+        ``save_checkpoint`` / ``resume``.
+        """
+        raise RuntimeError(
+            'DeepSpeedOptimWrapper.state_dict() would return one rank\'s partition only; '
+            'optimizer state is saved and resumed with the engine (runner.save_checkpoint / '
+            'resume).')
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Refused, as :meth:`state_dict`."""
+        raise RuntimeError(
+            'DeepSpeedOptimWrapper.load_state_dict() is not supported; resume the runner from '
+            'a checkpoint directory instead.')
+
     @contextmanager
     def optim_context(self, model: nn.Module) -> Iterator[None]:
         """No-op: DeepSpeed decides when gradients are reduced.

@@ -164,6 +164,15 @@ def test_fp16_loss_scale_and_skipped_steps_reach_the_message_hub() -> None:
     assert hub.get_scalar('train/grad_norm').current() == 0.75
 
 
+def test_partial_optimizer_state_is_not_handed_out() -> None:
+    wrapper = DeepSpeedOptimWrapper(_Fp16EngineDouble(),  # type: ignore
+                                    torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1))
+    with pytest.raises(RuntimeError, match='one rank.s partition'):
+        wrapper.state_dict()
+    with pytest.raises(RuntimeError, match='resume the runner'):
+        wrapper.load_state_dict({})
+
+
 def test_zero_kwargs_are_refused() -> None:
     wrapper = DeepSpeedOptimWrapper(_Fp16EngineDouble(),  # type: ignore
                                     torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1))

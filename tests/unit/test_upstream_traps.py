@@ -1,6 +1,9 @@
 """MMEngine 0.10.7 traps on DeepSpeed 0.19 that importing our package must avoid."""
 from __future__ import annotations
 
+import pickle
+from typing import Any
+
 import pytest
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from mmengine.registry import OPTIM_WRAPPERS, OPTIMIZERS, RUNNERS
@@ -30,3 +33,23 @@ def test_our_optim_wrapper_replaces_mmengine_same_named_one() -> None:
 
 def test_runner_is_registered() -> None:
     assert RUNNERS.get('DeepSpeedRunner') is DeepSpeedRunner
+
+
+def test_mmengine_resume_fails_on_this_torch(tmp_path: Any) -> None:
+    """Pins the trap our resume avoids: MMEngine 0.10.7's Runner.resume on torch >= 2.6.
+
+    Its checkpoints pickle numpy arrays and HistoryBuffers, which ``torch.load``'s default
+    ``weights_only=True`` refuses. Ours are written in plain types (tests/dist/test_checkpoint.py).
+    """
+    from mmengine.config import Config
+    from mmengine.runner import Runner
+
+    from tests.helpers import toy_config
+
+    ckpt = dict(type='CheckpointHook', interval=2, by_epoch=False)
+    Runner.from_cfg(Config(toy_config(str(tmp_path), max_iters=2, val=False,
+                                      checkpoint=ckpt))).train()
+    again = Runner.from_cfg(Config(toy_config(str(tmp_path), max_iters=4, val=False,
+                                              checkpoint=ckpt, resume=True)))
+    with pytest.raises(pickle.UnpicklingError, match='Weights only load failed'):
+        again.train()

@@ -1,0 +1,46 @@
+"""CUDA-only checks (fp16 loss scaling, nccl, FusedAdam); skipped without a GPU.
+
+Run on a machine with CUDA: ``pytest tests/gpu``. They are not counted as CPU
+coverage: the fp16 logging branch is also unit-tested with a test double in
+tests/unit/test_components.py.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')]
+
+
+def _train(tmp_path: Any, ds_config: dict, optimizer: dict) -> Any:
+    from mmengine.config import Config
+    from mmengine.registry import RUNNERS
+
+    import mmengine_deepspeed  # noqa: F401
+    from tests.helpers import toy_config
+
+    cfg = toy_config(str(tmp_path), ds_config=ds_config, optimizer=optimizer)
+    cfg.update(runner_type='DeepSpeedRunner', env_cfg=dict(dist_cfg=dict(backend='nccl')))
+    runner = RUNNERS.build(Config(cfg))
+    runner.train()
+    return runner
+
+
+def test_fp16_trains_and_logs_loss_scale(tmp_path: Any) -> None:
+    runner = _train(tmp_path, {'zero_optimization': {'stage': 2}, 'fp16': {'enabled': True}},
+                    {'type': 'SGD', 'lr': 0.1})
+    hub = runner.message_hub
+    assert torch.distributed.get_backend() == 'nccl'
+    assert next(runner.model.module.parameters()).dtype == torch.float16
+    assert hub.get_scalar('train/loss_scale').current() > 0
+    assert 'train/skipped_steps' in hub.log_scalars
+
+
+def test_fused_adam_by_name(tmp_path: Any) -> None:
+    runner = _train(tmp_path / 'fused', {'zero_optimization': {'stage': 3},
+                                         'bf16': {'enabled': True}},
+                    {'type': 'FusedAdam', 'lr': 1e-3})
+    assert type(runner.optim_wrapper.optimizer).__name__ == 'FusedAdam'
