@@ -167,7 +167,7 @@ def test_fp16_loss_scale_and_skipped_steps_reach_the_message_hub() -> None:
 def test_partial_optimizer_state_is_not_handed_out() -> None:
     wrapper = DeepSpeedOptimWrapper(_Fp16EngineDouble(),  # type: ignore
                                     torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1))
-    with pytest.raises(RuntimeError, match='one rank.s partition'):
+    with pytest.raises(RuntimeError, match=r"one rank's partition"):
         wrapper.state_dict()
     with pytest.raises(RuntimeError, match='resume the runner'):
         wrapper.load_state_dict({})
