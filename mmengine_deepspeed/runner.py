@@ -41,7 +41,7 @@ from .checkpoint import io as ckpt_io
 from .checkpoint.hook import DeepSpeedCheckpointHook  # noqa: F401  registers it
 from .checkpoint.layout import check_checkpoint, find_latest_complete
 from .checkpoint.loop import ResumableEpochBasedTrainLoop  # noqa: F401  registers it
-from .checkpoint.reshard import Layout, needs_universal
+from .checkpoint.reshard import Layout, check_reshardable, needs_universal
 from .config import DsConfigSource, MMEngineSide, precision, resolve_ds_config, zero_stage
 from .dist import cuda_available, init_distributed
 from .ema import DeepSpeedEMAHook
@@ -317,6 +317,7 @@ class DeepSpeedRunner(Runner):
             meta = check_checkpoint(resume_from)  # refuse a bad checkpoint before any work
             if needs_universal(Layout(meta['world_size'], meta['zero_stage']),
                                Layout(self.world_size, zero_stage(ds_config)), resume_from):
+                check_reshardable(optimizer, resume_from)
                 ds_config.setdefault('checkpoint', {})['load_universal'] = True
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.ds_config = ds_config

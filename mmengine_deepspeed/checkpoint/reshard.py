@@ -21,11 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
+from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
 from .layout import DS_TAG, CheckpointError, write_text_atomic
 from .safe_load import safe_load
 
 UNIVERSAL_TAG = 'deepspeed_universal'
+ADAM_STATE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, FusedAdam, DeepSpeedCPUAdam)
 UNIVERSAL_MARKER = 'CONVERTED'
 
 
@@ -76,6 +78,26 @@ def needs_universal(saved: Layout, current: Layout, path: str) -> bool:
 # (ZeRO-3: per-rank files, read as rank 0's under universal loading).
 STATE_FILE = {True: 'zero_pp_rank_0_mp_rank_00_model_states.pt',
               False: 'mp_rank_00_model_states.pt'}
+
+
+def check_reshardable(optimizer: Any, path: str) -> None:
+    """Refuse optimizers whose state a universal checkpoint cannot carry.
+
+    DeepSpeed 0.19's ``ds_to_universal`` converts Adam-style states
+    (``exp_avg``, ``exp_avg_sq``) only; SGD's momentum or others fail inside
+    it with a bare ``KeyError``.
+
+    Args:
+        optimizer (Any): The optimizer of the resuming run.
+        path (str): The checkpoint, for messages.
+    """
+    if not isinstance(optimizer, ADAM_STATE_OPTIMIZERS):
+        raise CheckpointError(
+            f'Resuming {path!r} on another world size or ZeRO stage needs a DeepSpeed universal '
+            'checkpoint, which carries Adam-style optimizer states only (Adam, AdamW, FusedAdam, '
+            f'DeepSpeedCPUAdam); {type(optimizer).__name__} cannot be resharded. Resume with the '
+            'saved world size and stage, or start from its weights with load_from and '
+            'resume=False (the optimizer state restarts).')
 
 
 def convert(path: str, target_stage: int) -> str:

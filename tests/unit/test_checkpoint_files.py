@@ -27,7 +27,7 @@ from mmengine_deepspeed.checkpoint.layout import (
     check_checkpoint,
     find_latest_complete,
 )
-from mmengine_deepspeed.checkpoint.reshard import Layout, needs_universal
+from mmengine_deepspeed.checkpoint.reshard import Layout, check_reshardable, needs_universal
 from mmengine_deepspeed.checkpoint.safe_load import check_pickles, safe_load
 from mmengine_deepspeed.checkpoint.state import (
     hub_state,
@@ -301,3 +301,10 @@ def test_unsupported_layout_changes_fail_early(saved: tuple, current: tuple,
                                                fragment: str) -> None:
     with pytest.raises(CheckpointError, match=fragment):
         needs_universal(Layout(*saved), Layout(*current), 'ck')
+
+
+def test_resharding_needs_adam_style_optimizer_states() -> None:
+    params = [torch.nn.Parameter(torch.ones(1))]
+    check_reshardable(torch.optim.AdamW(params), 'ck')
+    with pytest.raises(CheckpointError, match=r'Adam-style optimizer states only.*SGD cannot'):
+        check_reshardable(torch.optim.SGD(params, lr=0.1), 'ck')
