@@ -1,8 +1,9 @@
-"""``mmengine-deepspeed``: the command line.
+"""``mmengine-deepspeed``: train, demo, plot, convert, inspect.
 
-``train CONFIG`` is the OpenMMLab ``tools/train.py`` with DeepSpeedRunner as
-the default runner: run it directly for one process, or under ``torchrun`` /
-``srun`` / ``mpirun`` with ``--launcher``.
+``train CONFIG`` is the OpenMMLab ``tools/train.py`` with DeepSpeedRunner as the
+default runner. With ``--nproc N`` it starts N local processes itself (PyTorch's
+elastic launch API); under ``torchrun`` / ``srun`` / ``mpirun`` pass
+``--launcher``.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 import os.path as osp
 import sys
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 from mmengine.config import Config, DictAction
 
@@ -23,11 +24,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest='command', required=True)
     train = sub.add_parser('train', help='train from an MMEngine config file')
     train.add_argument('config', help='the MMEngine config file')
+    train.add_argument('--nproc', type=int, default=1,
+                       help='start this many local processes (default 1)')
     train.add_argument('--work-dir', help='where logs and checkpoints go')
+    train.add_argument('--resume', nargs='?', const='auto', metavar='CKPT',
+                       help='resume from CKPT, or from the latest complete checkpoint')
+    train.add_argument('--zero', type=int, choices=[0, 1, 2, 3], help='ZeRO stage override')
+    train.add_argument('--ds-config', metavar='FILE', help='a DeepSpeed JSON config')
     train.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
                        default='none', help='how the processes were started')
     train.add_argument('--cfg-options', nargs='+', action=DictAction, default={},
                        help='override config keys, e.g. train_cfg.max_iters=10')
+    demo = sub.add_parser('demo', help='train a tiny GPT on the stdlib source (about a minute)')
+    demo.add_argument('--nproc', type=int, default=2)
+    demo.add_argument('--zero', type=int, choices=[0, 1, 2, 3], default=3)
+    demo.add_argument('--max-iters', type=int, default=300)
+    demo.add_argument('--work-dir', default=osp.join('work_dirs', 'demo'))
+    plot = sub.add_parser('plot', help='loss / learning-rate curves of a run as PNG')
+    plot.add_argument('work_dir', help="the run's work directory")
+    plot.add_argument('--out', help='the PNG to write (default WORK_DIR/curves.png)')
     convert = sub.add_parser('convert', help='export a checkpoint as one weights file')
     convert.add_argument('checkpoint', help='a DeepSpeedRunner checkpoint directory')
     convert.add_argument('out', help='the .pth (or .safetensors) file to write')
@@ -43,18 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def train(config: str, work_dir: Optional[str], launcher: str, cfg_options: dict) -> None:
-    """Build the runner the config asks for (DeepSpeedRunner by default) and train.
-
-    Args:
-        config (str): Path of the MMEngine config file.
-        work_dir (str, optional): Overrides ``cfg.work_dir``.
-        launcher (str): ``none``, ``pytorch``, ``slurm`` or ``mpi``.
-        cfg_options (dict): Dotted-key overrides.
-    """
-    from mmengine.registry import RUNNERS
-
-    import mmengine_deepspeed  # noqa: F401  registers DeepSpeedRunner
+def load_train_config(config: str, work_dir: Optional[str], launcher: str, cfg_options: dict,
+                      resume: Optional[str] = None, zero: Optional[int] = None,
+                      ds_config: Optional[str] = None) -> Config:
+    """The config ``train`` runs: the file plus the command-line overrides."""
+    from .config import load_ds_config
 
     if not osp.isfile(config):
         raise FileNotFoundError(f'config file not found: {config!r}')
@@ -66,9 +74,56 @@ def train(config: str, work_dir: Optional[str], launcher: str, cfg_options: dict
     elif cfg.get('work_dir') is None:
         cfg.work_dir = osp.join('work_dirs', osp.splitext(osp.basename(config))[0])
     cfg.setdefault('runner_type', 'DeepSpeedRunner')
+    if ds_config is not None:
+        cfg.ds_config = osp.abspath(ds_config)
+    if zero is not None:
+        resolved = load_ds_config(cfg.get('ds_config'), osp.dirname(osp.abspath(config)))
+        resolved.setdefault('zero_optimization', {})['stage'] = zero
+        cfg.ds_config = resolved
+    if resume is not None:
+        cfg.resume = True
+        cfg.load_from = None if resume == 'auto' else resume
+    return cfg
+
+
+def run_training(config: str, work_dir: Optional[str], launcher: str, cfg_options: dict,
+                 resume: Optional[str] = None, zero: Optional[int] = None,
+                 ds_config: Optional[str] = None) -> str:
+    """Build the runner the config asks for (DeepSpeedRunner by default) and train.
+
+    Module-level, so that ``--nproc`` can hand it to each process.
+
+    Returns:
+        str: The work directory.
+    """
+    from mmengine.registry import RUNNERS
+
+    import mmengine_deepspeed  # noqa: F401  registers DeepSpeedRunner
+
+    cfg = load_train_config(config, work_dir, launcher, cfg_options, resume, zero, ds_config)
     runner = RUNNERS.build(cfg)
-    runner.logger.info(f'Logs and checkpoints go to {osp.abspath(cfg.work_dir)}')
+    if runner.rank == 0:
+        print(f'mmengine-deepspeed: logs in {runner.log_dir}, checkpoints in {runner.work_dir}',
+              flush=True)
     runner.train()
+    return str(runner.work_dir)
+
+
+def train(args: argparse.Namespace) -> str:
+    """``train``: in this process, or in ``--nproc`` new ones."""
+    if args.nproc < 1:
+        raise ValueError(f'--nproc {args.nproc}: give at least 1.')
+    call = (args.config, args.work_dir, args.launcher, args.cfg_options, args.resume, args.zero,
+            args.ds_config)
+    if args.nproc == 1:
+        return run_training(*call)
+    if args.launcher != 'none':
+        raise ValueError(f'--nproc {args.nproc} starts the processes itself; drop --launcher '
+                         f'{args.launcher} (or start them with that launcher and --nproc 1).')
+    from .launch import launch_local
+
+    results = launch_local(run_training, args.nproc, *call[:2], 'pytorch', *call[3:])
+    return str(results[0])
 
 
 def describe(path: str) -> str:
@@ -102,23 +157,18 @@ def describe(path: str) -> str:
     return '\n'.join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the console script; our errors print as one line, exit 2."""
-    from .checkpoint.layout import CheckpointError
-    from .config import DsConfigError
-
-    args = build_parser().parse_args(argv)
-    try:
-        return _run(args)
-    except (CheckpointError, DsConfigError, FileNotFoundError, ValueError) as e:
-        print(f'mmengine-deepspeed {args.command}: error: {e}', file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> Any:
     if args.command == 'train':
-        os.environ.setdefault('OMP_NUM_THREADS', '1')
-        train(args.config, args.work_dir, args.launcher, args.cfg_options)
+        return train(args)
+    if args.command == 'demo':
+        from .demo.run import run_demo
+
+        return run_demo(nproc=args.nproc, zero=args.zero, max_iters=args.max_iters,
+                        work_dir=args.work_dir)
+    if args.command == 'plot':
+        from .plot import plot_run
+
+        print(f'wrote {plot_run(args.work_dir, args.out)}')
     elif args.command == 'convert':
         from .checkpoint.export import export_checkpoint
 
@@ -128,4 +178,18 @@ def _run(args: argparse.Namespace) -> int:
         print(f'wrote {out}')
     elif args.command == 'inspect':
         print(describe(args.checkpoint))
+    return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the console script; our errors print as one line, exit 2."""
+    args = build_parser().parse_args(argv)
+    from .checkpoint.layout import CheckpointError
+    from .config import DsConfigError
+
+    try:
+        _run(args)
+    except (CheckpointError, DsConfigError, FileNotFoundError, ValueError) as e:
+        print(f'mmengine-deepspeed {args.command}: error: {e}', file=sys.stderr)
+        return 2
     return 0

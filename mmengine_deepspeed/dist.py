@@ -10,9 +10,11 @@ of waiting forever.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import subprocess
+import warnings
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -104,6 +106,28 @@ def _launcher_env(launcher: str, port: Optional[int]) -> dict[str, str]:
                 'MASTER_ADDR': os.environ.get('MASTER_ADDR', '127.0.0.1'),
                 'MASTER_PORT': str(port or os.environ.get('MASTER_PORT', DEFAULT_PORT))}
     raise ValueError(f'launcher={launcher!r} is not supported; use one of {LAUNCHERS}.')
+
+
+# DeepSpeed 0.19 calls these deprecated torch.distributed functions on every
+# step of ZeRO; each rank would print the FutureWarning once per process.
+DEEPSPEED_DEPRECATION_NOISE = (r'`torch\.distributed\.all_gather_into_tensor` is deprecated',
+                               r'`torch\.distributed\.reduce_scatter_tensor` is deprecated')
+
+
+def quiet_deepspeed(rank: int, verbose: bool = False) -> None:
+    """One copy of DeepSpeed's messages: warnings from rank 0, errors from all ranks.
+
+    Args:
+        rank (int): This process's rank.
+        verbose (bool): Keep DeepSpeed's info messages on rank 0 (MMEngine
+            ``log_level='DEBUG'``). Defaults to False.
+    """
+    from deepspeed.utils import logger as ds_logger
+
+    level = logging.INFO if verbose else logging.WARNING
+    ds_logger.setLevel(level if rank == 0 else logging.ERROR)
+    for message in DEEPSPEED_DEPRECATION_NOISE:
+        warnings.filterwarnings('ignore', message=message, category=FutureWarning)
 
 
 def init_distributed(launcher: str, dist_cfg: Optional[Mapping[str, Any]] = None) -> None:

@@ -43,9 +43,10 @@ from .checkpoint.layout import check_checkpoint, find_latest_complete
 from .checkpoint.loop import ResumableEpochBasedTrainLoop  # noqa: F401  registers it
 from .checkpoint.reshard import Layout, check_reshardable, needs_universal
 from .config import DsConfigSource, MMEngineSide, precision, resolve_ds_config, zero_stage
-from .dist import cuda_available, init_distributed
+from .dist import cuda_available, init_distributed, quiet_deepspeed
 from .ema import DeepSpeedEMAHook
 from .engine import DeepSpeedEngineWrapper, gathered
+from .monitor import ThroughputHook, banner
 from .optim_wrapper import DeepSpeedOptimWrapper
 
 # torch optimizers that update each element from its own gradient and state
@@ -203,6 +204,7 @@ class DeepSpeedRunner(Runner):
         """
         init_distributed(self.launcher, env_cfg.get('dist_cfg'))
         super().setup_env(env_cfg)
+        quiet_deepspeed(self.rank, verbose=self.cfg.get('log_level', 'INFO') == 'DEBUG')
 
     def wrap_model(self, model_wrapper_cfg: Optional[dict], model: nn.Module) -> nn.Module:
         """Leave the model unwrapped: the engine needs the optimizer, built later.
@@ -323,12 +325,7 @@ class DeepSpeedRunner(Runner):
         self.ds_config = ds_config
         self.engines[ENGINE_KEY] = engine
         self.model = DeepSpeedEngineWrapper(engine, CAST_DTYPES[precision(ds_config)])
-        self.logger.info(
-            f'DeepSpeed engine ready: ZeRO-{zero_stage(ds_config)}, {precision(ds_config)}, '
-            f'world size {self.world_size}, micro batch '
-            f'{ds_config["train_micro_batch_size_per_gpu"]}, accumulation '
-            f'{ds_config["gradient_accumulation_steps"]}, '
-            f'{"with" if optimizer is not None else "without"} optimizer.')
+        self.logger.info(banner(ds_config, self.world_size, engine.module, optimizer is not None))
         return engine
 
     def _ensure_engine(self) -> None:
@@ -396,12 +393,17 @@ class DeepSpeedRunner(Runner):
         self._has_loaded = True
         return checkpoint
 
-    def register_custom_hooks(self, hooks: list) -> None:
-        """MMEngine's custom hooks, with ``EMAHook`` made DeepSpeed-aware."""
+    def register_hooks(self, default_hooks: Optional[dict] = None,
+                       custom_hooks: Optional[list] = None) -> None:
+        """MMEngine's hooks, with ``EMAHook`` made DeepSpeed-aware and a ThroughputHook."""
         hooks = [dict(hook, type='DeepSpeedEMAHook')
                  if isinstance(hook, dict) and hook.get('type') in ('EMAHook', EMAHook) else hook
-                 for hook in hooks]
-        super().register_custom_hooks(hooks)
+                 for hook in custom_hooks or []]
+        if not any(isinstance(h, ThroughputHook) or (isinstance(h, dict) and h.get('type') in
+                                                     ('ThroughputHook', ThroughputHook))
+                   for h in hooks):
+            hooks.append(dict(type='ThroughputHook'))
+        super().register_hooks(default_hooks, hooks)
 
     def save_checkpoint(self, out_dir: str, filename: str,
                         file_client_args: Optional[dict] = None, save_optimizer: bool = True,

@@ -1,0 +1,95 @@
+"""What the logs show beyond MMEngine's: a start-up banner, throughput, peak memory.
+
+``ThroughputHook`` publishes ``train/samples_per_s`` (and ``train/tokens_per_s``
+for models with a ``tokens_per_sample`` attribute) and ``train/peak_mem_mb``
+(CUDA allocator peak, or the process's peak RSS on CPU; the maximum over ranks)
+to the message hub, so LoggerHook prints them with the loss. DeepSpeedRunner
+registers it.
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from mmengine.hooks import Hook
+from mmengine.registry import HOOKS
+
+from .config import get_value, precision, zero_stage
+
+
+def peak_memory_mb() -> float:
+    """This process's peak memory: CUDA allocator peak if on CUDA, else peak RSS."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == 'darwin' else peak / 2**10  # bytes vs KiB
+
+
+def parameter_counts(module: torch.nn.Module) -> tuple[int, int]:
+    """(total parameters, parameters held by this rank); ZeRO-3 holds a partition."""
+    total = held = 0
+    for param in module.parameters():
+        numel = int(getattr(param, 'ds_numel', param.numel()))
+        total += numel
+        partition = getattr(param, 'ds_tensor', None)
+        held += int(partition.numel()) if partition is not None else numel
+    return total, held
+
+
+def banner(ds_config: dict, world_size: int, module: torch.nn.Module,
+           has_optimizer: bool) -> str:
+    """The one-paragraph summary of how this run is distributed."""
+    micro = ds_config['train_micro_batch_size_per_gpu']
+    accum = ds_config['gradient_accumulation_steps']
+    offload = {part: get_value(ds_config, f'zero_optimization.offload_{part}.device', 'none')
+               for part in ('optimizer', 'param')}
+    total, held = parameter_counts(module)
+    backend = dist.get_backend() if dist.is_initialized() else 'none'
+    return (f'DeepSpeed engine ready: ZeRO-{zero_stage(ds_config)}, {precision(ds_config)}, '
+            f'world size {world_size}, backend {backend}, offload optimizer={offload["optimizer"]} '
+            f'param={offload["param"]}, micro batch {micro}, accumulation {accum}, effective '
+            f'batch {micro * accum * world_size}, parameters {total:,} ({held:,} on this rank), '
+            f'{"with" if has_optimizer else "without"} optimizer.')
+
+
+@HOOKS.register_module()
+class ThroughputHook(Hook):
+    """Samples (tokens) per second and peak memory, for LoggerHook to print.
+
+    Args:
+        interval (int): How often (iterations) the peak memory is reduced over
+            ranks (one tiny all-reduce). Defaults to 10.
+    """
+
+    priority = 'BELOW_NORMAL'
+
+    def __init__(self, interval: int = 10):
+        self.interval = interval
+        self._last: Optional[float] = None
+
+    def before_train(self, runner: Any) -> None:
+        self._last = None
+
+    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
+                         outputs: Optional[dict] = None) -> None:
+        now = time.perf_counter()
+        hub = runner.message_hub
+        if self._last is not None:
+            elapsed = max(now - self._last, 1e-9)
+            samples = runner.ds_config['train_micro_batch_size_per_gpu'] * runner.world_size
+            hub.update_scalar('train/samples_per_s', samples / elapsed)
+            tokens = getattr(runner.model.module, 'tokens_per_sample', None)
+            if tokens:
+                hub.update_scalar('train/tokens_per_s', samples * tokens / elapsed)
+        self._last = now
+        if self.every_n_train_iters(runner, self.interval) or runner.iter == 0:
+            peak = torch.tensor([peak_memory_mb()], dtype=torch.float64)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                if dist.get_backend() == 'nccl':
+                    peak = peak.cuda()
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            hub.update_scalar('train/peak_mem_mb', float(peak.item()))
