@@ -184,6 +184,10 @@ def _run(args: argparse.Namespace) -> Any:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the console script; our errors print as one line, exit 2."""
     args = build_parser().parse_args(argv)
+    # Like `python -m`: configs' custom_imports may name modules of the
+    # project in the working directory (processes started by --nproc inherit it).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     from .checkpoint.layout import CheckpointError
     from .config import DsConfigError
 

@@ -110,3 +110,19 @@ def test_two_nodes_on_loopback_train_and_resume(tmp_path: Any) -> None:
         assert node.returncode == 0, node.stdout[-5000:]
     log = log_text(work)
     assert 'Resumed from' in log and 'Epoch(train) [3][4/4]' in log
+
+
+@pytest.mark.parametrize('config', ['synthetic_classifier_zero3.py',
+                                    'synthetic_classifier_zero3_offload.py'])
+def test_example_configs_train(tmp_path: Any, config: str) -> None:
+    """The configs/ examples run (shortened); the offload one JIT-builds DeepSpeedCPUAdam once."""
+    proc = run_command([sys.executable, '-m', 'mmengine_deepspeed', 'train',
+                        osp.join(REPO_ROOT, 'configs', config), '--nproc', '2',
+                        '--work-dir', str(tmp_path), '--cfg-options', 'train_cfg.max_epochs=1',
+                        'train_cfg.val_interval=1', 'train_dataloader.dataset.size=64',
+                        'val_dataloader.dataset.size=64'], timeout=400)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    log = log_text(str(tmp_path))
+    assert 'val/accuracy' in log
+    if 'offload' in config:
+        assert 'offload optimizer=cpu param=cpu' in log
