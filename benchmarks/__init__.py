@@ -1,0 +1,1 @@
+"""Benchmarks: overhead, memory and checkpoint cost (see RESULTS.md)."""

@@ -1,0 +1,97 @@
+"""What the benchmarks share: models, synthetic data, configs, a torchrun helper."""
+from __future__ import annotations
+
+import json
+import os
+import os.path as osp
+import socket
+import subprocess
+import sys
+from typing import Any, Optional
+
+import torch
+from mmengine.model import BaseModel
+from mmengine.registry import DATASETS, MODELS
+from torch import nn
+from torch.utils.data import Dataset
+
+REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+
+# Sized so that one step takes roughly 50-200 ms on a 2-core CPU ("gpt"), and
+# so that fixed per-iteration costs dominate ("tiny").
+MODELS_CFG = {
+    'gpt': dict(type='TinyGPT', block_size=64, width=192, depth=3, heads=4),
+    'tiny': dict(type='BenchTinyMLP'),
+    # large enough that model states dominate memory and checkpoint size
+    'big': dict(type='TinyGPT', block_size=64, width=1024, depth=4, heads=8),
+}
+BATCH = {'gpt': 8, 'tiny': 8, 'big': 1}
+
+
+@DATASETS.register_module()
+class RandomTokens(Dataset):
+    """Random byte sequences (inputs and next-byte targets), fixed by ``seed``."""
+
+    def __init__(self, size: int = 4096, block_size: int = 64, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(256, (size, block_size + 1), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        row = self.tokens[index]
+        return dict(inputs=row[:-1], targets=row[1:])
+
+
+@MODELS.register_module()
+class BenchTinyMLP(BaseModel):
+    """A few thousand parameters: its step time is the framework's per-iteration cost."""
+
+    def __init__(self, data_preprocessor: Optional[dict] = None):
+        super().__init__(data_preprocessor=data_preprocessor)
+        self.embed = nn.Embedding(256, 16)
+        self.head = nn.Linear(16, 256)
+
+    def forward(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        logits = self.head(self.embed(inputs))
+        if mode == 'loss':
+            return dict(loss=nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                         targets.flatten()))
+        return logits
+
+
+def ds_config(stage: int, offload: bool = False) -> dict:
+    zero: dict[str, Any] = {'stage': stage}
+    if offload:
+        zero.update(offload_optimizer={'device': 'cpu'}, offload_param={'device': 'cpu'})
+    return {'zero_optimization': zero, 'bf16': {'enabled': True}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun(script: str, args: list[str], nproc: int = 2, timeout: float = 900) -> list[dict]:
+    """Run ``script`` on ``nproc`` ranks; return the JSON lines it printed with ``RESULT``."""
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS='1')
+    cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}',
+           '--master_addr=127.0.0.1', f'--master_port={free_port()}', script, *args]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f'{" ".join(cmd)} failed:\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}')
+    return [json.loads(line.split('RESULT ', 1)[1]) for line in proc.stdout.splitlines()
+            if line.startswith('RESULT ')]
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    """A Markdown table."""
+    def fmt(value: Any) -> str:
+        return f'{value:.3f}' if isinstance(value, float) else str(value)
+    lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+    lines += ['| ' + ' | '.join(fmt(v) for v in row) + ' |' for row in rows]
+    return '\n'.join(lines)
