@@ -32,14 +32,15 @@ def main() -> None:
         width, depth, cases = 64, 1, ((0, 0), (3, 0))
     results = [torchrun(WORKER, [str(s), str(o), str(width), str(depth), str(args.steps)])[0]
                for s, o in cases]
-    zero0 = results[0]['peak_mb']
     rows = []
     for r in results:
         theory = 16 * r['params'] / r['world'] / 2**20
         name = f'ZeRO-{r["stage"]}' + (' + CPU offload' if r['offload'] else '')
-        rows.append([name, r['peak_mb'], r['peak_mb'] / zero0, theory, r['peak_mb'] / theory])
+        rows.append([name, r['peak_mb'], r['peak_mb'] / results[0]['peak_mb'], r['steady_mb'],
+                     r['steady_mb'] / results[0]['steady_mb'], theory, r['steady_mb'] / theory])
     params = results[0]['params']
-    print(table(['stage', 'peak MiB per rank', 'vs ZeRO-0', '16Φ/N MiB', 'vs 16Φ/N'], rows))
+    print(table(['stage', 'peak MiB', 'peak vs ZeRO-0', 'after steps MiB',
+                 'after steps vs ZeRO-0', '16Φ/N MiB', 'after steps vs 16Φ/N'], rows))
     where = 'CUDA allocator peak' if results[0]['cuda'] else 'peak RSS minus RSS before the model'
     print(f'\nΦ = {params:,} parameters, 2 ranks, fp32 Adam, batch 1 x 64 tokens; {where}.')
 

@@ -1,12 +1,14 @@
 """One rank of the memory benchmark: build a model under a ZeRO stage, take steps,
 report peak memory. Usage: ``memory_worker.py STAGE OFFLOAD(0|1) WIDTH DEPTH STEPS``.
 
-On CPU the figure is peak RSS minus the RSS before the model existed (the model
-states, DeepSpeed's buffers and a small batch's activations); on CUDA it is the
-allocator's peak. Rank 0 prints ``RESULT {json}`` with the maximum over ranks.
+On CPU the figures are the peak RSS and the RSS after the steps, each minus the
+RSS before the model existed (model states, DeepSpeed's buffers, a small batch's
+activations); on CUDA the allocator's peak and current allocation. Rank 0 prints
+``RESULT {json}`` with the maximum over ranks.
 """
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import sys
@@ -54,13 +56,18 @@ def main() -> None:
         loss = engine(tokens[:, :-1], tokens[:, 1:], mode='loss')['loss']
         engine.backward(loss)
         engine.step()
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base)
-    value = torch.tensor([peak], dtype=torch.float64, device='cuda' if cuda else 'cpu')
+    gc.collect()
+    if cuda:
+        peak, steady = (torch.cuda.max_memory_allocated() / 2**20,
+                        torch.cuda.memory_allocated() / 2**20)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+        steady = rss_mb() - base
+    value = torch.tensor([peak, steady], dtype=torch.float64, device='cuda' if cuda else 'cpu')
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         print('RESULT ' + json.dumps(dict(stage=stage, offload=bool(offload), params=params,
-                                          peak_mb=float(value.item()),
+                                          peak_mb=float(value[0]), steady_mb=float(value[1]),
                                           world=dist.get_world_size(), cuda=cuda)), flush=True)
 
 

@@ -10,11 +10,12 @@ whole state in one file and load on any world size as they are.
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 import os.path as osp
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,13 +152,15 @@ def _adapt_across_stages(out: str, target_stage: int) -> None:
 
 
 def _run_ds_to_universal(input_folder: str, output_folder: str) -> None:
-    # ds_to_universal's entry point is main(args) over its argparse options;
-    # we pass the same options its command line would (no state injection:
-    # our saves record universal_checkpoint_info).
-    from deepspeed.checkpoint.ds_to_universal import main
-
-    args: Any = argparse.Namespace(
-        input_folder=input_folder, output_folder=output_folder,
-        num_extract_workers=max(1, min(4, os.cpu_count() or 1)), num_merge_workers=1,
-        keep_temp_folder=False, strict=True, inject_missing_state=False)
-    main(args)
+    # DeepSpeed's own command, in a fresh process: its worker pool forks, and
+    # forking a training process (gloo / NCCL threads) can deadlock. No state
+    # injection: our saves record universal_checkpoint_info.
+    workers = str(max(1, min(4, os.cpu_count() or 1)))
+    cmd = [sys.executable, '-m', 'deepspeed.checkpoint.ds_to_universal',
+           '--input_folder', input_folder, '--output_folder', output_folder,
+           '--num_extract_workers', workers, '--num_merge_workers', '1']
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise CheckpointError(
+            f'DeepSpeed could not convert {input_folder} to a universal checkpoint '
+            f'({" ".join(cmd)}):\n{(proc.stdout + proc.stderr)[-3000:]}')

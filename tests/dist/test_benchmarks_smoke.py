@@ -12,7 +12,7 @@ pytestmark = pytest.mark.dist
 
 @pytest.mark.parametrize(('script', 'fragment'), [
     ('benchmarks/overhead.py', 'runner/raw min/med/max'),
-    ('benchmarks/memory.py', 'vs 16Φ/N'),
+    ('benchmarks/memory.py', 'after steps vs 16Φ/N'),
     ('benchmarks/checkpoint_cost.py', 'zero_to_fp32 s'),
 ])
 def test_benchmark_smoke(script: str, fragment: str) -> None:
