@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os.path as osp
+import shutil
 import statistics
 import sys
 import time
@@ -43,8 +44,14 @@ def main() -> None:
 
     ours = osp.join(out, 'ours.pth')
     save = timed(lambda: runner.save_checkpoint(out, 'ours.pth', by_epoch=False))
-    raw = timed(lambda: engine.save_checkpoint(osp.join(out, 'raw'), tag='raw',
-                                               save_latest=False))
+    def raw_save() -> None:
+        # a fresh directory each time, as our save replaces its shards
+        if dist.get_rank() == 0:
+            shutil.rmtree(osp.join(out, 'raw'), ignore_errors=True)
+        dist.barrier()
+        engine.save_checkpoint(osp.join(out, 'raw'), tag='raw', save_latest=False)
+
+    raw = timed(raw_save)
     resume = timed(lambda: ckpt_io.resume(runner, ours, False))
     if dist.get_rank() == 0:
         print('RESULT ' + json.dumps(dict(stage=stage, save_s=save, raw_save_s=raw,
