@@ -9,6 +9,7 @@ of waiting forever.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -160,3 +161,12 @@ def init_distributed(launcher: str, dist_cfg: Optional[Mapping[str, Any]] = None
     torch_dist.init_process_group(backend=backend, init_method='env://',
                                   rank=int(env['RANK']), world_size=int(env['WORLD_SIZE']),
                                   timeout=timeout)
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    # A gloo group still alive when the interpreter shuts down can abort the
+    # process ("terminate called without an active exception", exit -6) after
+    # training finished; tearing it down at exit makes the exit clean.
+    if torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
