@@ -1,7 +1,8 @@
 """One rank of the checkpoint benchmark: time our save and resume against DeepSpeed's save.
 
 Usage (under torchrun): ``checkpoint_worker.py MODEL STAGE OUT_DIR REPEATS``. Rank 0 prints
-``RESULT {json}`` with median seconds and the checkpoint path.
+``RESULT {json}`` with the seconds of each save (ours and DeepSpeed's, interleaved), the
+median resume and the checkpoint path.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shutil
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -32,18 +34,15 @@ def main() -> None:
     runner.train()
     engine = runner.engines['model']
 
-    def timed(fn: object) -> float:
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            fn()  # type: ignore[operator]
-            dist.barrier()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+    def seconds(fn: Callable[[], object]) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - start
 
     ours = osp.join(out, 'ours.pth')
-    save = timed(lambda: runner.save_checkpoint(out, 'ours.pth', by_epoch=False))
+
     def raw_save() -> None:
         # a fresh directory each time, as our save replaces its shards
         if dist.get_rank() == 0:
@@ -51,10 +50,15 @@ def main() -> None:
         dist.barrier()
         engine.save_checkpoint(osp.join(out, 'raw'), tag='raw', save_latest=False)
 
-    raw = timed(raw_save)
-    resume = timed(lambda: ckpt_io.resume(runner, ours, False))
+    # interleaved, ours then DeepSpeed's, so that disk and machine noise hit both
+    saves, raw_saves = [], []
+    for _ in range(repeats):
+        saves.append(seconds(lambda: runner.save_checkpoint(out, 'ours.pth', by_epoch=False)))
+        raw_saves.append(seconds(raw_save))
+    resume = statistics.median(seconds(lambda: ckpt_io.resume(runner, ours, False))
+                               for _ in range(repeats))
     if dist.get_rank() == 0:
-        print('RESULT ' + json.dumps(dict(stage=stage, save_s=save, raw_save_s=raw,
+        print('RESULT ' + json.dumps(dict(stage=stage, save_s=saves, raw_save_s=raw_saves,
                                           resume_s=resume, path=ours)), flush=True)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import os.path as osp
-import socket
 import subprocess
 import sys
 from typing import Any, Optional
@@ -15,6 +14,8 @@ from mmengine.registry import DATASETS, MODELS
 from torch import nn
 from torch.utils.data import Dataset
 
+from mmengine_deepspeed.dist import free_port
+
 REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
 # Sized so that one step takes roughly 50-200 ms on a 2-core CPU ("gpt"), and
@@ -24,8 +25,33 @@ MODELS_CFG = {
     'tiny': dict(type='BenchTinyMLP'),
     # large enough that model states dominate memory and checkpoint size
     'big': dict(type='TinyGPT', block_size=64, width=1024, depth=4, heads=8),
+    # GPU mode: ~129M parameters (a byte vocabulary, so 18 blocks of width 768
+    # stand in for GPT-2 small's 12 blocks plus its 38M-parameter embedding)
+    'gpt125m': dict(type='TinyGPT', block_size=1024, width=768, depth=18, heads=12),
 }
-BATCH = {'gpt': 8, 'tiny': 8, 'big': 1}
+BATCH = {'gpt': 8, 'tiny': 8, 'big': 1, 'gpt125m': 8}
+# Dense bf16 tensor-core peak per GPU, TFLOP/s, from the vendors' data sheets
+# (without sparsity), by a substring of torch.cuda.get_device_name().
+PEAK_BF16_TFLOPS = (('H200', 989.4), ('H100', 989.4), ('H800', 989.4), ('GH200', 989.4),
+                    ('A100', 312.0), ('A800', 312.0), ('L40S', 362.1), ('L40', 181.0),
+                    ('A10G', 70.0), ('A10', 125.0), ('L4', 121.0), ('4090', 165.2),
+                    ('3090', 71.0))
+
+
+def train_flops_per_token(model_name: str, params: int) -> float:
+    """Model FLOPs of one training token (forward and backward, no recomputation).
+
+    6 per parameter (PaLM's accounting, appendix B) plus, for the GPT models,
+    the attention scores and values: 12 x layers x context x width.
+    """
+    cfg = MODELS_CFG[model_name]
+    attention = 12 * cfg['depth'] * cfg['block_size'] * cfg['width'] if 'depth' in cfg else 0
+    return 6.0 * params + attention
+
+
+def peak_tflops(device_name: str) -> Optional[float]:
+    """The bf16 peak of a known GPU, or None (MFU is then left out)."""
+    return next((peak for key, peak in PEAK_BF16_TFLOPS if key in device_name), None)
 
 
 @DATASETS.register_module()
@@ -69,10 +95,10 @@ def ds_config(stage: int, offload: bool = False) -> dict:
     return {'zero_optimization': zero, 'bf16': {'enabled': True}}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return int(s.getsockname()[1])
+def device_ranks() -> int:
+    """Ranks to launch: 2 on CPU (gloo); on CUDA one per GPU, at most 2 (NCCL wants
+    a GPU of its own per rank)."""
+    return min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
 
 
 def torchrun(script: str, args: list[str], nproc: int = 2, timeout: float = 900) -> list[dict]:

@@ -1,12 +1,20 @@
 """Training speed of DeepSpeedRunner against a hand-written DeepSpeed loop and MMEngine's
-FlexibleRunner + DeepSpeedStrategy, on 2 ranks, ZeRO-2 and ZeRO-3.
+FlexibleRunner + DeepSpeedStrategy, ZeRO-2 and ZeRO-3, bf16, AdamW.
 
 Each measurement is its own torchrun launch; launches are interleaved (raw, runner,
 strategy, raw, ...) so that machine noise spreads over all three. Speed is steady-state
 iterations/s after the warm-up; "first iter" is seconds from process start to the end of
-the first iteration. Prints a Markdown table of ratios.
+the first iteration. Prints a Markdown table of ratios, with tokens/s and model-FLOPs
+utilisation (MFU) of the runner.
 
-    python benchmarks/overhead.py [--rounds 3] [--smoke]
+On CPU: 2 ranks on gloo, models "gpt" and "tiny". On CUDA: one rank per GPU (up to 2) on
+NCCL, and the ~125M-parameter "gpt125m" as well; MFU uses the GPU's bf16 peak (a table of
+known GPUs, or --peak-tflops).
+
+With --profile, one more launch per mode runs the tiny model's measured iterations of
+rank 0 under cProfile and prints where each iteration's time goes, by package.
+
+    python benchmarks/overhead.py [--rounds 3] [--profile] [--peak-tflops T] [--smoke]
 """
 from __future__ import annotations
 
@@ -16,60 +24,117 @@ import sys
 import tempfile
 from collections import defaultdict
 from os import path as osp
+from typing import Any, Optional
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from benchmarks.common import table, torchrun
+import torch
+
+from benchmarks.common import device_ranks, peak_tflops, table, torchrun
 from benchmarks.overhead_worker import STRATEGY_PATCHES
 
 MODES = ('raw', 'runner', 'strategy')
 WORKER = osp.join(osp.dirname(osp.abspath(__file__)), 'overhead_worker.py')
+ITERS = {'gpt125m': (5, 30), 'gpt': (10, 40), 'tiny': (20, 200)}  # warm-up, measured
+SMOKE_ITERS = (2, 3)
+
+
+def spread(values: list[float]) -> str:
+    return f'{min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}'
+
+
+def mfu(result: dict, peak: Optional[float]) -> Any:
+    """Model FLOPs per second over the ranks' peak, or "n/a" without a known peak."""
+    if peak is None:
+        return 'n/a'
+    achieved = result['tokens_per_s'] * result['flops_per_token']
+    return f'{achieved / (peak * 1e12 * result["world"]):.1%}'
+
+
+def run(mode: str, model: str, stage: int, iters: tuple[int, int], work_dir: str,
+        profile: bool = False) -> dict:
+    args = [mode, model, str(stage), *map(str, iters), osp.join(work_dir, mode)]
+    (result,) = torchrun(WORKER, args + (['--profile'] if profile else []), nproc=device_ranks())
+    return result
+
+
+def speed_table(models: list[str], stages: tuple[int, ...], results: dict[tuple, list[dict]],
+                peak: Optional[float]) -> str:
+    rows = []
+    for model in models:
+        for stage in stages:
+            ours = results[(model, stage, 'runner')]
+            speed = {m: [r['it_per_s'] for r in results[(model, stage, m)]] for m in MODES}
+            median = {m: statistics.median(v) for m, v in speed.items()}
+            cpu = {m: statistics.median(r['cpu_ms_per_iter'] for r in results[(model, stage, m)])
+                   for m in MODES}
+            first = {m: statistics.median(r['first_iter_s'] for r in results[(model, stage, m)])
+                     for m in MODES}
+            best = max(ours, key=lambda r: r['it_per_s'])
+            rows.append([
+                model, f'ZeRO-{stage}', median['raw'], median['runner'], median['strategy'],
+                spread([o / r for o, r in zip(speed['runner'], speed['raw'])]),
+                spread([o / s for o, s in zip(speed['runner'], speed['strategy'])]),
+                f'{statistics.median(r["tokens_per_s"] for r in ours):,.0f}', mfu(best, peak),
+                ' / '.join(f'{cpu[m]:.1f}' for m in MODES),
+                ' / '.join(f'{first[m]:.1f}' for m in MODES)])
+    return table(['model', 'stage', 'raw it/s', 'runner it/s', 'strategy it/s',
+                  'runner/raw min/med/max', 'runner/strategy min/med/max', 'runner tokens/s',
+                  'runner MFU', 'CPU ms/iter raw/runner/strategy',
+                  'first iter s raw/runner/strategy'], rows)
+
+
+def profile_table(profiles: dict[str, dict[str, float]]) -> str:
+    packages = sorted({p for prof in profiles.values() for p in prof},
+                      key=lambda p: -profiles['runner'].get(p, 0.0))
+    rows = [[p, *(profiles[m].get(p, 0.0) for m in MODES)] for p in packages]
+    rows.append(['total', *(sum(profiles[m].values()) for m in MODES)])
+    return table(['own time, ms per iteration (rank 0, cProfile)', *MODES], rows)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--rounds', type=int, default=3)
+    parser.add_argument('--profile', action='store_true',
+                        help='also profile the tiny model, ZeRO-2, one launch per mode')
+    parser.add_argument('--peak-tflops', type=float,
+                        help='bf16 peak per device for MFU (default: known GPUs only)')
     parser.add_argument('--smoke', action='store_true', help='seconds-long run for CI')
     args = parser.parse_args()
-    models = ['tiny'] if args.smoke else ['gpt', 'tiny']
-    iters = {'gpt': (10, 40), 'tiny': (20, 200)}
+    cuda = torch.cuda.is_available()
+    models = (['gpt125m'] if cuda else []) + ['gpt', 'tiny']
+    iters = dict(ITERS)
+    rounds, stages = args.rounds, (2, 3)
     if args.smoke:
-        iters = {'tiny': (2, 3)}
-    rounds = 1 if args.smoke else args.rounds
-    speeds: dict[tuple, list[float]] = defaultdict(list)
-    first: dict[tuple, list[float]] = defaultdict(list)
+        models, iters, rounds, stages = ['tiny'], {'tiny': SMOKE_ITERS}, 1, (2,)
+    peak = args.peak_tflops
+    if peak is None and cuda:
+        peak = peak_tflops(torch.cuda.get_device_name())
+    results: dict[tuple, list[dict]] = defaultdict(list)
+    profiles: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(rounds):
-            for stage in (2, 3):
+            for stage in stages:
                 for model in models:
-                    warmup, n = iters[model]
                     for mode in MODES:
-                        (result,) = torchrun(WORKER, [mode, model, str(stage), str(warmup),
-                                                      str(n), osp.join(tmp, mode)])
-                        speeds[(model, stage, mode)].append(result['it_per_s'])
-                        first[(model, stage, mode)].append(result['first_iter_s'])
-    rows = []
-    for model in models:
-        for stage in (2, 3):
-            key = (model, stage)
-            raw, ours, strat = (speeds[(*key, m)] for m in MODES)
-            vs_raw = [o / r for o, r in zip(ours, raw)]
-            vs_strat = [o / s for o, s in zip(ours, strat)]
-            rows.append([model, f'ZeRO-{stage}', statistics.median(raw), statistics.median(ours),
-                         statistics.median(strat),
-                         f'{min(vs_raw):.3f} / {statistics.median(vs_raw):.3f} / '
-                         f'{max(vs_raw):.3f}',
-                         f'{min(vs_strat):.3f} / {statistics.median(vs_strat):.3f} / '
-                         f'{max(vs_strat):.3f}',
-                         f'{statistics.median(first[(*key, "raw")]):.1f} / '
-                         f'{statistics.median(first[(*key, "runner")]):.1f} / '
-                         f'{statistics.median(first[(*key, "strategy")]):.1f}'])
-    print(table(['model', 'stage', 'raw it/s', 'runner it/s', 'strategy it/s',
-                 'runner/raw min/med/max', 'runner/strategy min/med/max',
-                 'first iter s raw/runner/strategy'], rows))
-    print(f'\n{rounds} round(s), 2 ranks, bf16, AdamW. Patches applied to the strategy run only:')
+                        results[(model, stage, mode)].append(
+                            run(mode, model, stage, iters[model], tmp))
+        if args.profile:
+            for mode in MODES:
+                profiles[mode] = run(mode, 'tiny', 2, iters['tiny'], tmp,
+                                     profile=True)['profile_ms']
+    first = results[(models[0], 2, 'raw')][0]
+    print(speed_table(models, stages, results, peak))
+    print(f'\n{rounds} round(s), {first["world"]} rank(s) on {first["device"]}, bf16, AdamW; '
+          f'MFU of the runner\'s fastest round against {peak} TFLOP/s per device. Patches '
+          'applied to the strategy run only:')
     for patch in STRATEGY_PATCHES:
         print(f'- {patch}')
+    if profiles:
+        print('\n' + profile_table(profiles))
+        print('\nOwn time: time in each package\'s functions themselves, callees excluded; '
+              'cProfile slows Python code, so compare the columns, not with the table above.')
 
 
 if __name__ == '__main__':

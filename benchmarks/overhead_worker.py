@@ -1,9 +1,12 @@
 """One rank of the overhead benchmark: train N iterations one way, report the speed.
 
-Usage (under torchrun): ``overhead_worker.py MODE MODEL STAGE WARMUP ITERS``, MODE one of
-``raw`` (a hand-written DeepSpeed loop), ``runner`` (DeepSpeedRunner) and ``strategy``
-(MMEngine's FlexibleRunner + DeepSpeedStrategy, with the patches listed in
-``STRATEGY_PATCHES`` applied here only). Rank 0 prints ``RESULT {json}``.
+Usage (under torchrun): ``overhead_worker.py MODE MODEL STAGE WARMUP ITERS WORK_DIR
+[--profile]``, MODE one of ``raw`` (a hand-written DeepSpeed loop), ``runner``
+(DeepSpeedRunner) and ``strategy`` (MMEngine's FlexibleRunner + DeepSpeedStrategy, with
+the patches listed in ``STRATEGY_PATCHES`` applied here only). On CUDA every mode uses
+NCCL and one GPU per rank. Rank 0 prints ``RESULT {json}``; with ``--profile`` the
+measured iterations of rank 0 run under cProfile and the result carries the time per
+iteration spent in each package's own code.
 """
 from __future__ import annotations
 
@@ -11,11 +14,16 @@ import time
 
 PROCESS_START = time.time()
 
+import collections  # noqa: E402
+import cProfile  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
+import pstats  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 import types  # noqa: E402
 import warnings  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, Optional  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -30,19 +38,66 @@ STRATEGY_PATCHES = (
     'the process group is created before FlexibleRunner (MMEngine init_dist calls '
     'torch.cuda.set_device on CPU)',
 )
+CUDA = torch.cuda.is_available()
+BACKEND = 'nccl' if CUDA else 'gloo'
+# Where a profiled function's own time is booked (first match wins).
+PACKAGES = (('mmengine_deepspeed', 'mmengine_deepspeed/'), ('mmengine', '/mmengine/'),
+            ('deepspeed', '/deepspeed/'), ('torch (Python)', '/torch/'),
+            ('benchmark', '/benchmarks/'))
+
+
+def package_of(filename: str, function: str) -> str:
+    """The profile row a function's own time goes to."""
+    if filename == '~':  # C functions: collectives' waits apart from the rest
+        return 'collective waits' if function.endswith('.wait>') else 'C / C++ ops'
+    return next((name for name, part in PACKAGES if part in filename), 'other Python')
+
+
+class Recorder:
+    """Stamps the end of every iteration; profiles rank 0's measured ones on request.
+
+    On CUDA each stamp waits for the GPU, in every mode alike, so that a stamp is
+    when the iteration's work finished, not when it was queued.
+    """
+
+    def __init__(self, warmup: int, profile: bool):
+        self.warmup = warmup
+        self.stamps: list[tuple[float, float]] = []
+        self.profiler = cProfile.Profile() if profile and int(os.environ['RANK']) == 0 else None
+
+    def record(self) -> None:
+        if CUDA:
+            torch.cuda.synchronize()
+        # CPU time too: it counts all threads (gloo's), and is less disturbed
+        # than wall time by other jobs on a shared machine.
+        self.stamps.append((time.time(), time.process_time()))
+        if self.profiler is not None and len(self.stamps) == self.warmup + 1:
+            self.profiler.enable()
+
+    def profile_ms(self) -> Optional[dict[str, float]]:
+        """Milliseconds per measured iteration by package (own time, not callees)."""
+        if self.profiler is None:
+            return None
+        self.profiler.disable()
+        steps = len(self.stamps) - self.warmup - 1
+        totals: collections.Counter = collections.Counter()
+        stats: Any = pstats.Stats(self.profiler).stats
+        for (filename, _, function), (_, _, own, _, _) in stats.items():
+            totals[package_of(filename, function)] += own
+        return {name: seconds / steps * 1000 for name, seconds in totals.most_common()}
 
 
 class Clock(Hook):
-    """Records the end time of every training iteration."""
+    """Hands the end of every training iteration to the recorder."""
 
     priority = 'LOWEST'
 
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
 
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
                          outputs: Any = None) -> None:
-        self.stamps.append(time.time())
+        self.recorder.record()
 
 
 def model_and_data(model_name: str) -> tuple[dict, dict]:
@@ -50,7 +105,8 @@ def model_and_data(model_name: str) -> tuple[dict, dict]:
 
     model = dict(MODELS_CFG[model_name], data_preprocessor=dict(type='BaseDataPreprocessor'))
     loader = dict(batch_size=BATCH[model_name], num_workers=0,
-                  dataset=dict(type='RandomTokens', size=4096, block_size=64),
+                  dataset=dict(type='RandomTokens', size=4096,
+                               block_size=MODELS_CFG[model_name].get('block_size', 64)),
                   sampler=dict(type='DefaultSampler', shuffle=True, seed=0),
                   collate_fn=dict(type='default_collate'))
     return model, loader
@@ -64,10 +120,10 @@ def mmengine_cfg(model_name: str, iters: int, work_dir: str) -> dict:
         optim_wrapper=dict(optimizer=dict(type='AdamW', lr=1e-3)),
         default_hooks=dict(logger=dict(type='LoggerHook', interval=10**6), checkpoint=None),
         log_level='WARNING', randomness=dict(seed=0), launcher='pytorch',
-        env_cfg=dict(dist_cfg=dict(backend='gloo')))
+        env_cfg=dict(dist_cfg=dict(backend=BACKEND)))
 
 
-def run_raw(model_name: str, stage: int, iters: int) -> list[float]:
+def run_raw(model_name: str, stage: int, iters: int, recorder: Recorder) -> int:
     import deepspeed
     from mmengine.registry import DATASETS, MODELS
     from torch.utils.data import DataLoader, DistributedSampler
@@ -75,7 +131,8 @@ def run_raw(model_name: str, stage: int, iters: int) -> list[float]:
     import mmengine_deepspeed.demo  # noqa: F401  the TinyGPT class
     from benchmarks.common import ds_config
     from mmengine_deepspeed.dist import init_distributed
-    init_distributed('pytorch', dict(backend='gloo'))
+    from mmengine_deepspeed.monitor import parameter_counts
+    init_distributed('pytorch', dict(backend=BACKEND))
     model_cfg, loader_cfg = model_and_data(model_name)
     torch.manual_seed(0)
     model = MODELS.build(model_cfg)
@@ -87,35 +144,37 @@ def run_raw(model_name: str, stage: int, iters: int) -> list[float]:
                   zero_allow_untested_optimizer=True)
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-    stamps = []
     batches = iter(loader)
     engine.train()
     for _ in range(iters):
         batch = next(batches)
-        loss = engine(batch['inputs'], batch['targets'], mode='loss')['loss']
+        loss = engine(batch['inputs'].to(engine.device), batch['targets'].to(engine.device),
+                      mode='loss')['loss']
         engine.backward(loss)
         engine.step()
-        stamps.append(time.time())
-    return stamps
+        recorder.record()
+    return parameter_counts(engine.module)[0]
 
 
-def run_runner(model_name: str, stage: int, iters: int, work_dir: str) -> list[float]:
+def run_runner(model_name: str, stage: int, iters: int, work_dir: str,
+               recorder: Recorder) -> int:
     from mmengine.config import Config
     from mmengine.registry import RUNNERS
 
     import mmengine_deepspeed.demo  # noqa: F401  registers DeepSpeedRunner and TinyGPT
     from benchmarks.common import ds_config
+    from mmengine_deepspeed.monitor import parameter_counts
 
     cfg = mmengine_cfg(model_name, iters, work_dir)
     cfg.update(runner_type='DeepSpeedRunner', ds_config=ds_config(stage))
     runner = RUNNERS.build(Config(cfg))
-    clock = Clock()
-    runner.register_hook(clock)
+    runner.register_hook(Clock(recorder))
     runner.train()
-    return clock.stamps
+    return parameter_counts(runner.model.module)[0]
 
 
-def run_strategy(model_name: str, stage: int, iters: int, work_dir: str) -> list[float]:
+def run_strategy(model_name: str, stage: int, iters: int, work_dir: str,
+                 recorder: Recorder) -> int:
     onebit = types.ModuleType('deepspeed.runtime.fp16.onebit')
     for name in ('OnebitAdam', 'OnebitLamb', 'ZeroOneAdam'):
         setattr(onebit, name, type(name, (torch.optim.Optimizer,), {}))
@@ -125,28 +184,33 @@ def run_strategy(model_name: str, stage: int, iters: int, work_dir: str) -> list
     from mmengine.runner._flexible_runner import FlexibleRunner
 
     import mmengine_deepspeed.demo  # noqa: F401  the TinyGPT class
-    from benchmarks.common import ds_config
+    from benchmarks.common import BATCH, ds_config
+    from mmengine_deepspeed.monitor import parameter_counts
     from mmengine_deepspeed.optimizers import DEEPSPEED_OPTIMIZERS
 
     for cls in DEEPSPEED_OPTIMIZERS:
         OPTIMIZERS._module_dict.pop(cls.__name__, None)
     OPTIM_WRAPPERS.register_module(module=MMEngineDeepSpeedOptimWrapper, force=True)
-    dist.init_process_group('gloo')
+    if CUDA:
+        torch.cuda.set_device(int(os.environ['LOCAL_RANK']))
+    dist.init_process_group(BACKEND)
     cfg = mmengine_cfg(model_name, iters, work_dir)
     config = ds_config(stage)
     cfg['strategy'] = dict(type='DeepSpeedStrategy', zero_optimization=config['zero_optimization'],
-                           bf16=config['bf16'], train_micro_batch_size_per_gpu=8)
+                           bf16=config['bf16'],
+                           train_micro_batch_size_per_gpu=BATCH[model_name])
     cfg['optim_wrapper'] = dict(type='DeepSpeedOptimWrapper',
                                 optimizer=dict(type='AdamW', lr=1e-3))
     cfg.pop('env_cfg')
     runner = FlexibleRunner(**cfg)
-    clock = Clock()
-    runner.register_hook(clock)
+    runner.register_hook(Clock(recorder))
     runner.train()
-    return clock.stamps
+    return parameter_counts(runner.model.module)[0]
 
 
 def main() -> None:
+    from benchmarks.common import BATCH, train_flops_per_token
+
     # The same for all three modes: DeepSpeed 0.19's per-step FutureWarnings
     # from torch.distributed would otherwise be printed (and timed) each step.
     for message in ('all_gather_into_tensor', 'reduce_scatter_tensor'):
@@ -154,19 +218,34 @@ def main() -> None:
                                 category=FutureWarning)
     mode, model_name, stage, warmup, iters = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
     work_dir = sys.argv[6]
+    recorder = Recorder(warmup, profile='--profile' in sys.argv[7:])
     total = warmup + iters
     if mode == 'raw':
-        stamps = run_raw(model_name, stage, total)
+        params = run_raw(model_name, stage, total, recorder)
     elif mode == 'runner':
-        stamps = run_runner(model_name, stage, total, work_dir)
+        params = run_runner(model_name, stage, total, work_dir, recorder)
     else:
-        stamps = run_strategy(model_name, stage, total, work_dir)
+        params = run_strategy(model_name, stage, total, work_dir, recorder)
+    profile = recorder.profile_ms()
+    wall, cpu = zip(*recorder.stamps[warmup:])
+    steps = len(wall) - 1
+    # CPU time per iteration, summed over the ranks.
+    cpu_ms = torch.tensor([(cpu[-1] - cpu[0]) / steps * 1000], dtype=torch.float64,
+                          device='cuda' if CUDA else 'cpu')
+    dist.all_reduce(cpu_ms)
     if dist.get_rank() == 0:
-        measured = stamps[warmup:]
-        speed = (len(measured) - 1) / (measured[-1] - measured[0])
-        print('RESULT ' + json.dumps(dict(mode=mode, model=model_name, stage=stage,
-                                          it_per_s=speed,
-                                          first_iter_s=stamps[0] - PROCESS_START)), flush=True)
+        durations = [b - a for a, b in zip(wall, wall[1:])]
+        it_per_s = steps / (wall[-1] - wall[0])
+        tokens_per_iter = BATCH[model_name] * dist.get_world_size() * \
+            model_and_data(model_name)[1]['dataset']['block_size']
+        print('RESULT ' + json.dumps(dict(
+            mode=mode, model=model_name, stage=stage, it_per_s=it_per_s,
+            median_it_per_s=1 / statistics.median(durations), cpu_ms_per_iter=float(cpu_ms),
+            first_iter_s=recorder.stamps[0][0] - PROCESS_START, params=params,
+            tokens_per_s=it_per_s * tokens_per_iter, world=dist.get_world_size(),
+            flops_per_token=train_flops_per_token(model_name, params),
+            device=torch.cuda.get_device_name() if CUDA else 'cpu', profile_ms=profile)),
+            flush=True)
     dist.barrier()
     dist.destroy_process_group()  # a clean exit (gloo can abort on teardown otherwise)
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from mmengine.hooks import Hook
+from mmengine.hooks import Hook, LoggerHook
 from mmengine.registry import HOOKS
 
 from .config import get_value, precision, zero_stage
@@ -61,18 +61,28 @@ class ThroughputHook(Hook):
     """Samples (tokens) per second and peak memory, for LoggerHook to print.
 
     Args:
-        interval (int): How often (iterations) the peak memory is reduced over
-            ranks (one tiny all-reduce). Defaults to 10.
+        interval (int, optional): How often (iterations) the peak memory is
+            reduced over ranks, a small all-reduce that waits for the slowest
+            rank. None follows LoggerHook's interval, so that it runs only
+            for the lines that print it (10 without a LoggerHook).
+            Defaults to None.
     """
 
     priority = 'BELOW_NORMAL'
 
-    def __init__(self, interval: int = 10):
+    def __init__(self, interval: Optional[int] = None):
+        if interval is not None and interval < 1:
+            raise ValueError(f'ThroughputHook interval={interval}: give a positive number of '
+                             'iterations, or None to follow LoggerHook.')
         self.interval = interval
+        self._reduce_every = interval or 10
         self._last: Optional[float] = None
 
     def before_train(self, runner: Any) -> None:
         self._last = None
+        if self.interval is None:
+            loggers = [hook for hook in runner.hooks if isinstance(hook, LoggerHook)]
+            self._reduce_every = loggers[0].interval if loggers else 10
 
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
                          outputs: Optional[dict] = None) -> None:
@@ -86,7 +96,7 @@ class ThroughputHook(Hook):
             if tokens:
                 hub.update_scalar('train/tokens_per_s', samples * tokens / elapsed)
         self._last = now
-        if self.every_n_train_iters(runner, self.interval) or runner.iter == 0:
+        if self.every_n_train_iters(runner, self._reduce_every) or runner.iter == 0:
             peak = torch.tensor([peak_memory_mb()], dtype=torch.float64)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 if dist.get_backend() == 'nccl':

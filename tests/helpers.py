@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -23,16 +22,11 @@ from mmengine.registry import DATASETS, HOOKS, METRICS, MODELS
 from torch import nn
 from torch.utils.data import Dataset
 
+from mmengine_deepspeed.dist import free_port
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IN_FEATURES = 8
 NUM_CLASSES = 4
-
-
-def free_port() -> int:
-    """A loopback TCP port that is free now (each multi-rank test takes its own)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(('127.0.0.1', 0))
-        return int(s.getsockname()[1])
 
 
 def test_env() -> dict[str, str]:

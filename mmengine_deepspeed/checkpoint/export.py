@@ -39,15 +39,40 @@ def consolidated_state_dict(path: str, allow_unsafe: bool = False) -> dict[str, 
     return dict(state)
 
 
-def cast_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype,
+def cast_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype, standalone: bool,
                     progress: bool = False) -> dict[str, torch.Tensor]:
-    """Floating tensors to ``dtype``; integer buffers unchanged; contiguous copies."""
+    """Floating tensors to ``dtype``; integer buffers unchanged.
+
+    DeepSpeed's consolidation returns views into one merged vector (ZeRO-1/2)
+    or into padded per-parameter buffers (ZeRO-3). ``torch.save`` writes each
+    storage once, so tensors already in ``dtype`` are kept as they are and an
+    fp32 ``.pth`` export holds the model once in memory, not twice.
+    safetensors refuses tensors that share memory: with ``standalone`` a view
+    is copied into memory of its own.
+
+    Args:
+        state (dict[str, torch.Tensor]): The consolidated state dict.
+        dtype (torch.dtype): The dtype floating tensors are written in.
+        standalone (bool): Every tensor must own its memory (safetensors).
+        progress (bool): Show a progress bar. Defaults to False.
+
+    Returns:
+        dict[str, torch.Tensor]: The tensors to write.
+    """
+    def convert(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        owns_memory = tensor.is_contiguous() and \
+            tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+        if standalone and not owns_memory:
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        return tensor
+
     items: Any = state.items()
     if progress:
         from tqdm import tqdm
         items = tqdm(items, total=len(state), desc='convert', unit='tensor')
-    return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().clone()
-            for k, v in items}
+    return {k: convert(v) for k, v in items}
 
 
 def ema_state_dict(path: str, allow_unsafe: bool = False) -> dict[str, torch.Tensor]:
@@ -96,7 +121,7 @@ def export_checkpoint(path: str, out: str, dtype: str = 'fp32', safetensors: boo
              else consolidated_state_dict(path, allow_unsafe))
     if progress is None:
         progress = sum(v.numel() * v.element_size() for v in state.values()) > 2**30
-    state = cast_state_dict(state, DTYPES[dtype], progress)
+    state = cast_state_dict(state, DTYPES[dtype], standalone=safetensors, progress=progress)
     meta = dict(meta, exported_dtype=dtype, exported_weights='ema' if ema else 'trained')
     if safetensors:
         from safetensors.torch import save_file

@@ -308,3 +308,41 @@ def test_resharding_needs_adam_style_optimizer_states() -> None:
     check_reshardable(torch.optim.AdamW(params), 'ck')
     with pytest.raises(CheckpointError, match=r'Adam-style optimizer states only.*SGD cannot'):
         check_reshardable(torch.optim.SGD(params, lr=0.1), 'ck')
+
+
+# --- export keeps one copy of the weights ----------------------------------------
+
+
+def _merged_views() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """What zero_to_fp32 returns for ZeRO-1/2: views into one merged fp32 vector."""
+    merged = torch.arange(12, dtype=torch.float32)
+    return merged, {'a': merged[:6].view(2, 3), 'b': merged[6:10],
+                    'steps': torch.tensor(3, dtype=torch.int64)}
+
+
+def test_fp32_pth_export_keeps_the_views_without_a_second_copy(tmp_path: Any) -> None:
+    from mmengine_deepspeed.checkpoint.export import cast_state_dict
+
+    merged, state = _merged_views()
+    out = cast_state_dict(state, torch.float32, standalone=False)
+    assert all(out[k].data_ptr() == state[k].data_ptr() for k in state)  # no second copy
+    path = str(tmp_path / 'w.pth')
+    torch.save(out, path)
+    loaded = torch.load(path)
+    assert torch.equal(loaded['a'], merged[:6].view(2, 3))
+    assert torch.equal(loaded['b'], merged[6:10])
+
+
+def test_safetensors_and_cast_exports_get_tensors_of_their_own(tmp_path: Any) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from mmengine_deepspeed.checkpoint.export import cast_state_dict
+
+    merged, state = _merged_views()
+    out = cast_state_dict(state, torch.float32, standalone=True)
+    assert all(v.untyped_storage().nbytes() == v.nbytes for v in out.values())
+    save_file(out, str(tmp_path / 'w.safetensors'))  # refuses shared memory otherwise
+    assert torch.equal(load_file(str(tmp_path / 'w.safetensors'))['b'], merged[6:10])
+    half = cast_state_dict(state, torch.bfloat16, standalone=True)
+    assert half['a'].dtype == torch.bfloat16 and half['steps'].dtype == torch.int64
+    assert half['steps'].data_ptr() == state['steps'].data_ptr()  # owns its memory already
