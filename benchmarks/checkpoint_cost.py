@@ -7,6 +7,7 @@ universal conversion), sizes on disk.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -51,10 +52,13 @@ def export_seconds(ckpt: str, out: str, repeats: int) -> tuple[float, float]:
     from mmengine_deepspeed.checkpoint.export import export_checkpoint
 
     ours, theirs = [], []
-    for _ in range(repeats):
-        ours.append(seconds(lambda: export_checkpoint(ckpt, osp.join(out, 'export.pth'))))
-        theirs.append(seconds(lambda: convert_zero_checkpoint_to_fp32_state_dict(
-            ckpt, osp.join(out, 'ds_export'), tag='deepspeed')))
+    # both print DeepSpeed's progress messages and bars; not part of the table
+    with open(os.devnull, 'w') as quiet, contextlib.redirect_stdout(quiet), \
+            contextlib.redirect_stderr(quiet):
+        for _ in range(repeats):
+            ours.append(seconds(lambda: export_checkpoint(ckpt, osp.join(out, 'export.pth'))))
+            theirs.append(seconds(lambda: convert_zero_checkpoint_to_fp32_state_dict(
+                ckpt, osp.join(out, 'ds_export'), tag='deepspeed')))
     return statistics.median(ours), statistics.median(theirs)
 
 

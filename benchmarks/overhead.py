@@ -19,6 +19,7 @@ rank 0 under cProfile and prints where each iteration's time goes, by package.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -35,7 +36,7 @@ from benchmarks.overhead_worker import STRATEGY_PATCHES
 
 MODES = ('raw', 'runner', 'strategy')
 WORKER = osp.join(osp.dirname(osp.abspath(__file__)), 'overhead_worker.py')
-ITERS = {'gpt125m': (5, 30), 'gpt': (10, 40), 'tiny': (20, 200)}  # warm-up, measured
+ITERS = {'gpt125m': (5, 30), 'gpt': (10, 80), 'tiny': (20, 200)}  # warm-up, measured
 SMOKE_ITERS = (2, 3)
 
 
@@ -100,6 +101,7 @@ def main() -> None:
                         help='also profile the tiny model, ZeRO-2, one launch per mode')
     parser.add_argument('--peak-tflops', type=float,
                         help='bf16 peak per device for MFU (default: known GPUs only)')
+    parser.add_argument('--json', metavar='FILE', help='also write every launch\'s result here')
     parser.add_argument('--smoke', action='store_true', help='seconds-long run for CI')
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -124,7 +126,11 @@ def main() -> None:
             for mode in MODES:
                 profiles[mode] = run(mode, 'tiny', 2, iters['tiny'], tmp,
                                      profile=True)['profile_ms']
-    first = results[(models[0], 2, 'raw')][0]
+    if args.json:
+        with open(args.json, 'w', encoding='utf-8') as f:
+            json.dump(dict(speed=[dict(r) for runs in results.values() for r in runs],
+                           profile=profiles), f, indent=1)
+    first = results[(models[0], stages[0], 'raw')][0]
     print(speed_table(models, stages, results, peak))
     print(f'\n{rounds} round(s), {first["world"]} rank(s) on {first["device"]}, bf16, AdamW; '
           f'MFU of the runner\'s fastest round against {peak} TFLOP/s per device. Patches '

@@ -136,6 +136,7 @@ def run_raw(model_name: str, stage: int, iters: int, recorder: Recorder) -> int:
     model_cfg, loader_cfg = model_and_data(model_name)
     torch.manual_seed(0)
     model = MODELS.build(model_cfg)
+    model.init_weights()  # as both runners do: the same weights
     dataset = DATASETS.build(loader_cfg['dataset'])
     loader = DataLoader(dataset, batch_size=loader_cfg['batch_size'],
                         sampler=DistributedSampler(dataset, shuffle=True, seed=0))
