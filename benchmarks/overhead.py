@@ -132,9 +132,10 @@ def main() -> None:
                            profile=profiles), f, indent=1)
     first = results[(models[0], stages[0], 'raw')][0]
     print(speed_table(models, stages, results, peak))
+    against = (f'MFU of the runner\'s fastest round against {peak} TFLOP/s per device' if peak
+               else 'MFU n/a: no bf16 peak known for this device (--peak-tflops sets one)')
     print(f'\n{rounds} round(s), {first["world"]} rank(s) on {first["device"]}, bf16, AdamW; '
-          f'MFU of the runner\'s fastest round against {peak} TFLOP/s per device. Patches '
-          'applied to the strategy run only:')
+          f'{against}. Patches applied to the strategy run only:')
     for patch in STRATEGY_PATCHES:
         print(f'- {patch}')
     if profiles:

@@ -63,8 +63,8 @@ class ThroughputHook(Hook):
     Args:
         interval (int, optional): How often (iterations) the peak memory is
             reduced over ranks, a small all-reduce that waits for the slowest
-            rank. None follows LoggerHook's interval, so that it runs only
-            for the lines that print it (10 without a LoggerHook).
+            rank. None takes LoggerHook's interval, so that it runs as
+            often as lines print it, not more (10 without a LoggerHook).
             Defaults to None.
     """
 

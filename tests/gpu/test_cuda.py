@@ -44,3 +44,19 @@ def test_fused_adam_by_name(tmp_path: Any) -> None:
                                          'bf16': {'enabled': True}},
                     {'type': 'FusedAdam', 'lr': 1e-3})
     assert type(runner.optim_wrapper.optimizer).__name__ == 'FusedAdam'
+
+
+@pytest.mark.parametrize(('command', 'fragments'), [
+    ('benchmarks/overhead.py', ('runner MFU', 'on NVIDIA')),
+    ('benchmarks/memory.py', ('CUDA allocator peak',)),
+])
+def test_benchmarks_run_on_cuda(command: str, fragments: tuple[str, ...]) -> None:
+    """The benchmarks' CUDA mode (NCCL, one rank per GPU, MFU, allocator figures), smoke size."""
+    import sys
+
+    from tests.helpers import run_command
+
+    proc = run_command([sys.executable, *command.split(), '--smoke'], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    for fragment in fragments:
+        assert fragment in proc.stdout, proc.stdout[-6000:]
