@@ -46,6 +46,7 @@ from .config import DsConfigSource, MMEngineSide, precision, resolve_ds_config, 
 from .dist import cuda_available, init_distributed, quiet_deepspeed
 from .ema import DeepSpeedEMAHook
 from .engine import DeepSpeedEngineWrapper, gathered
+from .model_settings import fit_to_model
 from .monitor import ThroughputHook, banner
 from .optim_wrapper import DeepSpeedOptimWrapper
 
@@ -61,32 +62,6 @@ ELEMENTWISE_OPTIMIZERS = (
 
 CAST_DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': None}
 
-
-def _has_running_stats(model: nn.Module) -> bool:
-    # BatchNorm*/SyncBatchNorm/InstanceNorm* (and mmcv's variants) by their
-    # public attributes rather than torch's private base class.
-    return any(getattr(m, 'track_running_stats', False)
-               and isinstance(getattr(m, 'running_mean', None), torch.Tensor)
-               for m in model.modules())
-
-
-def match_norm_buffers(ds_config: dict, model: nn.Module) -> None:
-    """Cast buffers to the compute dtype when the model has BatchNorm-style layers.
-
-    DeepSpeed 0.19 casts parameters to bf16/fp16 but leaves buffers in fp32
-    unless ``data_types.buffer_dtype`` says otherwise. A BatchNorm then gets
-    bf16 weights with fp32 running statistics and fails ("expected scalar
-    type BFloat16 but found Float"). An explicit ``buffer_dtype`` is kept.
-
-    Args:
-        ds_config (dict): The resolved config, updated in place.
-        model (nn.Module): The model about to be wrapped.
-    """
-    mode = precision(ds_config)
-    if mode == 'fp32' or not _has_running_stats(model):
-        return
-    data_types = ds_config.setdefault('data_types', {})
-    data_types.setdefault('buffer_dtype', mode)
 
 ENGINE_KEY = 'model'
 
@@ -313,7 +288,7 @@ class DeepSpeedRunner(Runner):
         for hook in self.hooks:
             if isinstance(hook, DeepSpeedEMAHook):
                 hook.take_template(model)  # full fp32 weights, before partitioning
-        match_norm_buffers(ds_config, model)
+        fit_to_model(ds_config, model)
         resume_from = self._resume_path() if optimizer is not None else None
         if resume_from is not None:
             meta = check_checkpoint(resume_from)  # refuse a bad checkpoint before any work

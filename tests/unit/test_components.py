@@ -1,6 +1,7 @@
 """One-process checks of the runner's helpers, the wrappers and dist setup."""
 from __future__ import annotations
 
+import copy
 from collections import namedtuple
 from typing import Any
 
@@ -14,7 +15,8 @@ from torch import nn
 from mmengine_deepspeed import DeepSpeedOptimWrapper, DeepSpeedRunner, DsConfigError
 from mmengine_deepspeed.dist import _launcher_env, choose_backend, init_distributed
 from mmengine_deepspeed.engine import _overrides, cast_floating
-from mmengine_deepspeed.runner import match_norm_buffers, mmengine_side
+from mmengine_deepspeed.model_settings import fit_reduce_bucket, match_norm_buffers
+from mmengine_deepspeed.runner import mmengine_side
 from tests.helpers import ToyCustomStepModel, ToyModel, toy_config
 
 # --- the runner refuses bad input before any process work -------------------
@@ -90,6 +92,30 @@ def test_buffer_dtype_left_alone_without_norm_or_when_set() -> None:
     ds = {}
     match_norm_buffers(ds, ToyModel(with_bn=True))
     assert ds == {}
+
+
+# --- ZeRO-3's reduce bucket ------------------------------------------------------
+
+def test_zero3_reduce_bucket_fits_the_trainable_parameters() -> None:
+    """DeepSpeed's 5e8-element default would be allocated whole; a frozen part holds no grads."""
+    model = ToyModel(with_bn=False)
+    next(model.parameters()).requires_grad_(False)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    ds: dict = {'zero_optimization': {'stage': 3}}
+    fit_reduce_bucket(ds, model)
+    assert ds['zero_optimization']['reduce_bucket_size'] == trainable
+    assert 0 < trainable < sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize('ds', [
+    {'zero_optimization': {'stage': 3, 'reduce_bucket_size': 123}},  # the user's choice
+    {'zero_optimization': {'stage': 2}},  # ZeRO-1/2 allocate no bucket up front
+    {},
+])
+def test_reduce_bucket_left_alone_when_set_or_not_zero3(ds: dict) -> None:
+    before = copy.deepcopy(ds)
+    fit_reduce_bucket(ds, ToyModel(with_bn=False))
+    assert ds == before
 
 
 def test_cast_floating_walks_containers_and_spares_data_samples() -> None:
