@@ -19,7 +19,7 @@ from typing import Callable
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from benchmarks.common import REPO_ROOT, device_ranks, table, torchrun
+from benchmarks.common import REPO_ROOT, device_ranks, spread, table, torchrun
 
 WORKER = osp.join(osp.dirname(osp.abspath(__file__)), 'checkpoint_worker.py')
 
@@ -39,10 +39,6 @@ def seconds(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def spread(values: list[float]) -> str:
-    return f'{min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}'
 
 
 def export_seconds(ckpt: str, out: str, repeats: int) -> tuple[float, float]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import os.path as osp
+import statistics
 import subprocess
 import sys
 from typing import Any, Optional
@@ -112,6 +113,11 @@ def torchrun(script: str, args: list[str], nproc: int = 2, timeout: float = 900)
         raise RuntimeError(f'{" ".join(cmd)} failed:\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}')
     return [json.loads(line.split('RESULT ', 1)[1]) for line in proc.stdout.splitlines()
             if line.startswith('RESULT ')]
+
+
+def spread(values: list[float]) -> str:
+    """``min / median / max`` of per-round ratios."""
+    return f'{min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}'
 
 
 def table(header: list[str], rows: list[list[Any]]) -> str:

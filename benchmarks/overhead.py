@@ -31,17 +31,13 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 import torch
 
-from benchmarks.common import device_ranks, peak_tflops, table, torchrun
+from benchmarks.common import device_ranks, peak_tflops, spread, table, torchrun
 from benchmarks.overhead_worker import STRATEGY_PATCHES
 
 MODES = ('raw', 'runner', 'strategy')
 WORKER = osp.join(osp.dirname(osp.abspath(__file__)), 'overhead_worker.py')
 ITERS = {'gpt125m': (5, 30), 'gpt': (10, 80), 'tiny': (20, 200)}  # warm-up, measured
 SMOKE_ITERS = (2, 3)
-
-
-def spread(values: list[float]) -> str:
-    return f'{min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}'
 
 
 def mfu(result: dict, peak: Optional[float]) -> Any:
