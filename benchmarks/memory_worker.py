@@ -62,6 +62,7 @@ def main() -> None:
 
     from mmengine_deepspeed.demo.model import TinyGPT
     from mmengine_deepspeed.dist import init_distributed
+    from mmengine_deepspeed.monitor import peak_memory_mb
 
     stage, offload, width, depth, steps, bucket = map(int, sys.argv[1:7])
     cuda = torch.cuda.is_available()
@@ -89,11 +90,9 @@ def main() -> None:
     del loss
     tensors = live_tensor_mb()
     if cuda:
-        peak, steady = (torch.cuda.max_memory_allocated() / 2**20,
-                        torch.cuda.memory_allocated() / 2**20)
+        peak, steady = peak_memory_mb(), torch.cuda.memory_allocated() / 2**20
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
-        steady = trimmed_rss_mb() - base
+        peak, steady = peak_memory_mb() - base, trimmed_rss_mb() - base
     value = torch.tensor([peak, steady, tensors], dtype=torch.float64, device=engine.device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:

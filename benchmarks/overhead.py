@@ -55,24 +55,26 @@ def run(mode: str, model: str, stage: int, iters: tuple[int, int], work_dir: str
     return result
 
 
+def medians(runs: dict[str, list[dict]], key: str) -> dict[str, float]:
+    """The median of ``key`` over the rounds, per mode."""
+    return {m: statistics.median(r[key] for r in runs[m]) for m in MODES}
+
+
 def speed_table(models: list[str], stages: tuple[int, ...], results: dict[tuple, list[dict]],
                 peak: Optional[float]) -> str:
     rows = []
     for model in models:
         for stage in stages:
-            ours = results[(model, stage, 'runner')]
-            speed = {m: [r['it_per_s'] for r in results[(model, stage, m)]] for m in MODES}
-            median = {m: statistics.median(v) for m, v in speed.items()}
-            cpu = {m: statistics.median(r['cpu_ms_per_iter'] for r in results[(model, stage, m)])
-                   for m in MODES}
-            first = {m: statistics.median(r['first_iter_s'] for r in results[(model, stage, m)])
-                     for m in MODES}
-            best = max(ours, key=lambda r: r['it_per_s'])
+            runs = {m: results[(model, stage, m)] for m in MODES}
+            speed = {m: [r['it_per_s'] for r in runs[m]] for m in MODES}
+            median, cpu = medians(runs, 'it_per_s'), medians(runs, 'cpu_ms_per_iter')
+            first = medians(runs, 'first_iter_s')
+            best = max(runs['runner'], key=lambda r: r['it_per_s'])
             rows.append([
                 model, f'ZeRO-{stage}', median['raw'], median['runner'], median['strategy'],
                 spread([o / r for o, r in zip(speed['runner'], speed['raw'])]),
                 spread([o / s for o, s in zip(speed['runner'], speed['strategy'])]),
-                f'{statistics.median(r["tokens_per_s"] for r in ours):,.0f}', mfu(best, peak),
+                f'{medians(runs, "tokens_per_s")["runner"]:,.0f}', mfu(best, peak),
                 ' / '.join(f'{cpu[m]:.1f}' for m in MODES),
                 ' / '.join(f'{first[m]:.1f}' for m in MODES)])
     return table(['model', 'stage', 'raw it/s', 'runner it/s', 'strategy it/s',

@@ -19,7 +19,6 @@ import cProfile  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import pstats  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import types  # noqa: E402
 import warnings  # noqa: E402
@@ -235,13 +234,12 @@ def main() -> None:
                           device='cuda' if CUDA else 'cpu')
     dist.all_reduce(cpu_ms)
     if dist.get_rank() == 0:
-        durations = [b - a for a, b in zip(wall, wall[1:])]
         it_per_s = steps / (wall[-1] - wall[0])
         tokens_per_iter = BATCH[model_name] * dist.get_world_size() * \
             model_and_data(model_name)[1]['dataset']['block_size']
         print('RESULT ' + json.dumps(dict(
             mode=mode, model=model_name, stage=stage, it_per_s=it_per_s,
-            median_it_per_s=1 / statistics.median(durations), cpu_ms_per_iter=float(cpu_ms),
+            cpu_ms_per_iter=float(cpu_ms),
             first_iter_s=recorder.stamps[0][0] - PROCESS_START, params=params,
             tokens_per_s=it_per_s * tokens_per_iter, world=dist.get_world_size(),
             flops_per_token=train_flops_per_token(model_name, params),
