@@ -9,7 +9,7 @@ the engine's bookkeeping see every step. Nothing is patched onto the engine.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Optional, Union
 
 import deepspeed
@@ -20,6 +20,8 @@ from mmengine.optim import OptimWrapper
 from mmengine.registry import MODEL_WRAPPERS
 from mmengine.structures import BaseDataElement
 from torch import nn
+
+from .scalars import broadcastable
 
 Data = Union[dict, tuple, list]
 
@@ -61,8 +63,16 @@ def gathered(module: nn.Module, modify: bool = False) -> Iterator[None]:
             values are then re-partitioned to every rank. Defaults to False.
     """
     params = list(module.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None):
-        yield
+    # The ExitStack closes after GatheredParameters, which broadcasts a
+    # modified ZeRO-3 parameter on leaving: 0-dim ones are 1-dim just for
+    # that (see scalars.py).
+    with ExitStack() as after_exit, \
+            deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None):
+        try:
+            yield
+        finally:
+            if modify:
+                after_exit.enter_context(broadcastable(params))
 
 
 def _overrides(module: nn.Module, method: str) -> bool:

@@ -23,11 +23,14 @@ from typing import Any, Optional
 
 import mmengine.runner  # noqa: F401  registers MMEngine's same-named wrapper first (see below)
 import torch
+import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 from mmengine.optim import OptimWrapper
 from mmengine.registry import OPTIM_WRAPPERS
 from torch import nn
 from torch.optim import Optimizer
+
+from .unused import check_same_parameters_used, with_every_parameter
 
 
 # force=True: importing mmengine.runner (done above, so that the order is
@@ -51,13 +54,19 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         clip_max_norm (float): DeepSpeed's ``gradient_clipping`` (0 for none),
             used only to decide whether a grad norm is logged when the engine
             does not compute one. Defaults to 0.
+        find_unused_parameters (bool): Let ranks use different parameters
+            in an iteration (DDP's option of that name; see ``unused.py``).
+            Without it, such an iteration on several ranks raises.
+            Defaults to False.
     """
 
     def __init__(self, engine: DeepSpeedEngine, optimizer: Optimizer,
-                 accumulative_counts: int = 1, clip_max_norm: float = 0.0):
+                 accumulative_counts: int = 1, clip_max_norm: float = 0.0,
+                 find_unused_parameters: bool = False):
         super().__init__(optimizer, accumulative_counts=accumulative_counts)
         self.engine = engine
         self.clip_max_norm = clip_max_norm
+        self.find_unused_parameters = find_unused_parameters
 
     def update_params(self, loss: torch.Tensor, step_kwargs: Optional[dict] = None,
                       zero_kwargs: Optional[dict] = None) -> None:
@@ -94,8 +103,13 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         # should_sync() answers "does this backward end an accumulation
         # window", MMEngine's rule; the engine reduces and steps on it.
         self.engine.set_gradient_accumulation_boundary(self.should_sync())
-        self.engine.backward(loss, retain_graph=kwargs.get('retain_graph', False),
-                             scale_wrt_gas=False)
+        retain_graph = kwargs.get('retain_graph', False)
+        named = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
+        if self.find_unused_parameters:
+            loss = with_every_parameter(loss, [p for _, p in named], retain_graph)
+        elif dist.is_initialized() and dist.get_world_size() > 1:
+            check_same_parameters_used(loss, named)
+        self.engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
         self._inner_count += 1
 
     def step(self, **kwargs: Any) -> None:
@@ -124,15 +138,20 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         """The grad norm for ZeRO-0 fp32 with clipping, which DeepSpeed does not report.
 
         Under ZeRO-0 the gradients are complete and all-reduced by the end of
-        the boundary backward, so the norm is the same on every rank.
+        the boundary backward, so the norm is the same on every rank. Where
+        the runner switched the engine's clipping off (0-dim parameters, see
+        scalars.py) the gradients are clipped here, as DeepSpeed would:
+        ``min(1, max_norm / (norm + 1e-6))``.
         """
         if self.clip_max_norm <= 0 or self.engine.zero_optimization() \
                 or self.engine.fp16_enabled() or self.engine.bfloat16_enabled():
             return None
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        if not grads:
+        params = [p for p in self.engine.module.parameters() if p.grad is not None]
+        if not params:
             return None
-        return float(torch.nn.utils.get_total_norm(grads))
+        if self.engine.gradient_clipping() == 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, self.clip_max_norm))
+        return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
 
     def zero_grad(self, **kwargs: Any) -> None:
         """Clear gradients through DeepSpeed (it also does so after each update)."""

@@ -49,6 +49,8 @@ from .engine import DeepSpeedEngineWrapper, gathered
 from .model_settings import fit_to_model
 from .monitor import ThroughputHook, banner
 from .optim_wrapper import DeepSpeedOptimWrapper
+from .scalars import engine_config, initializable
+from .unused import check_find_unused_supported
 
 # torch optimizers that update each element from its own gradient and state
 # only, and therefore behave the same on ZeRO's flattened partitions. DeepSpeed
@@ -138,6 +140,7 @@ class DeepSpeedRunner(Runner):
     """
 
     _has_loaded: bool
+    _find_unused_parameters: bool
 
     def __init__(self, *args: Any, ds_config: DsConfigSource = None,
                  allow_unsafe_checkpoints: Optional[bool] = None, **kwargs: Any):
@@ -185,8 +188,9 @@ class DeepSpeedRunner(Runner):
         """Leave the model unwrapped: the engine needs the optimizer, built later.
 
         Args:
-            model_wrapper_cfg (dict, optional): Ignored with a warning; DDP
-                options have no meaning under DeepSpeed.
+            model_wrapper_cfg (dict, optional): ``find_unused_parameters``
+                is honoured (ranks may use different parameters in an
+                iteration); other DDP options are ignored with a warning.
             model (nn.Module): The built model.
 
         Returns:
@@ -196,10 +200,14 @@ class DeepSpeedRunner(Runner):
             raise TypeError(
                 f'model is already wrapped in {type(model).__name__}; pass the bare model, '
                 'DeepSpeedRunner wraps it in a DeepSpeed engine.')
-        if model_wrapper_cfg is not None:
+        wrapper_cfg = dict(model_wrapper_cfg or {})
+        self._find_unused_parameters = bool(wrapper_cfg.pop('find_unused_parameters', False))
+        wrapper_cfg.pop('type', None)
+        if wrapper_cfg:
             self.logger.warning(
-                f'model_wrapper_cfg={model_wrapper_cfg} is ignored: DeepSpeedRunner wraps the '
-                'model in a DeepSpeed engine, configured by ds_config.')
+                f'model_wrapper_cfg keys {sorted(wrapper_cfg)} are ignored: DeepSpeedRunner wraps '
+                'the model in a DeepSpeed engine, configured by ds_config (only '
+                'find_unused_parameters is honoured).')
         if self.world_size == 1:
             return revert_sync_batchnorm(model)
         sync_bn = self.cfg.get('sync_bn', None)
@@ -262,7 +270,8 @@ class DeepSpeedRunner(Runner):
         return DeepSpeedOptimWrapper(
             engine, built.optimizer,
             accumulative_counts=self.ds_config['gradient_accumulation_steps'],
-            clip_max_norm=float(self.ds_config['gradient_clipping']))
+            clip_max_norm=float(self.ds_config['gradient_clipping']),
+            find_unused_parameters=self._find_unused_parameters)
 
     def _build_engine(self, optimizer: Optional[Optimizer]) -> deepspeed.DeepSpeedEngine:
         """``deepspeed.initialize`` on the bare model; ``runner.model`` becomes its wrapper."""
@@ -289,6 +298,8 @@ class DeepSpeedRunner(Runner):
             if isinstance(hook, DeepSpeedEMAHook):
                 hook.take_template(model)  # full fp32 weights, before partitioning
         fit_to_model(ds_config, model)
+        if self._find_unused_parameters and optimizer is not None:
+            check_find_unused_supported(zero_stage(ds_config))
         resume_from = self._resume_path() if optimizer is not None else None
         if resume_from is not None:
             meta = check_checkpoint(resume_from)  # refuse a bad checkpoint before any work
@@ -296,7 +307,9 @@ class DeepSpeedRunner(Runner):
                                Layout(self.world_size, zero_stage(ds_config)), resume_from):
                 check_reshardable(optimizer, resume_from)
                 ds_config.setdefault('checkpoint', {})['load_universal'] = True
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        with initializable(model, zero3=zero_stage(ds_config) == 3):
+            engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                              config=engine_config(ds_config, model))
         self.ds_config = ds_config
         self.engines[ENGINE_KEY] = engine
         self.model = DeepSpeedEngineWrapper(engine, CAST_DTYPES[precision(ds_config)])

@@ -157,6 +157,50 @@ class ToyCustomStepModel(ToyModel):
         return log_vars
 
 
+def _outputs(logits: torch.Tensor, labels: Optional[torch.Tensor], mode: str) -> Any:
+    if mode == 'loss':
+        return dict(loss=nn.functional.cross_entropy(logits.float(), labels))
+    if mode == 'predict':
+        return [dict(pred=p, label=t) for p, t in zip(logits.argmax(1), labels)]
+    return logits
+
+
+@MODELS.register_module()
+class ToyScalarModel(ToyModel):
+    """CLIP-style 0-dim parameters: a trainable ``logit_scale`` and a frozen temperature."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.logit_scale = nn.Parameter(torch.tensor(0.3))
+        self.temperature = nn.Parameter(torch.tensor(2.0), requires_grad=False)
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        assert self.logit_scale.dim() == 0, self.logit_scale.shape  # as the model declared it
+        logits = super().forward(inputs) * self.logit_scale.exp() / self.temperature
+        return _outputs(logits, labels, mode)
+
+
+@MODELS.register_module()
+class ToyBranchModel(ToyModel):
+    """A head run only on batches that hold the rare label 1 (as a detection head that
+    sees no positive sample): in one iteration some ranks use it and others do not."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.head = nn.Linear(NUM_CLASSES, NUM_CLASSES)
+        self.head_used: list[bool] = []  # per training iteration, on this rank
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        logits = super().forward(inputs)
+        if mode == 'loss':
+            self.head_used.append(bool((labels == 1).any()))
+            if self.head_used[-1]:
+                logits = logits + self.head(logits)
+        return _outputs(logits, labels, mode)
+
+
 @METRICS.register_module()
 class ToyAccuracy(BaseMetric):
     """Accuracy over the whole validation set (gathered across ranks)."""

@@ -4,9 +4,12 @@ Usage (under torchrun): ``worker.py OUT_DIR SCENARIO_JSON [SCENARIO_JSON ...]``.
 Each scenario is a JSON dict ``{"name": ..., "mode": "train" | "test",
 "cfg": {toy_config kwargs}}`` (mode ``"test_reload"`` tests, then loads
 ``"reload"`` into the built engine with ``runner.load_checkpoint`` and tests
-again) with optional ``"work_dir"`` (default
+again; mode ``"plain"`` trains with MMEngine's own Runner and DDP with
+``find_unused_parameters=True``, the reference for parity) with optional ``"work_dir"`` (default
 ``OUT_DIR/NAME``), ``"unmark"`` (a checkpoint whose COMPLETE marker rank 0
-deletes first, as if its save had been killed) and ``"kill_rank1_at_iter"``
+deletes first, as if its save had been killed) and ``"expect_error"`` (training
+raises on every rank at the same point; the message is saved) and
+``"kill_rank1_at_iter"``
 (rank 1 SIGKILLs itself in the middle of the save taken at that iteration:
 after DeepSpeed wrote its shards, before the marker). Scenarios run one after
 another in the same process group, which keeps the suite's start-up cost to
@@ -31,6 +34,7 @@ from mmengine.registry import RUNNERS
 import mmengine_deepspeed  # noqa: F401
 from mmengine_deepspeed.checkpoint import save as save_module
 from mmengine_deepspeed.checkpoint.layout import MARKER_FILE
+from mmengine_deepspeed.dist import init_distributed
 from tests.helpers import ema_state, model_state, probe_inputs, recorder, toy_config
 
 
@@ -68,7 +72,14 @@ def run(out_dir: str, scenario: dict) -> None:
     cfg = toy_config(scenario.get('work_dir', osp.join(out_dir, name)), **scenario.get('cfg', {}))
     if mode in ('test', 'test_reload'):
         cfg = _as_test_only(cfg)
-    cfg.update(runner_type='DeepSpeedRunner', launcher='pytorch')
+    if mode == 'plain':  # MMEngine's Runner with DDP, the reference for DeepSpeedRunner
+        init_distributed('pytorch', cfg['env_cfg']['dist_cfg'])  # MMEngine's needs CUDA
+        cfg.pop('ds_config', None)
+        cfg['model_wrapper_cfg'] = dict(type='MMDistributedDataParallel', device_ids=None,
+                                        find_unused_parameters=True)
+    else:
+        cfg['runner_type'] = 'DeepSpeedRunner'
+    cfg['launcher'] = 'pytorch'
     runner = RUNNERS.build(Config(cfg))
     runner_box.append(runner)
     result: dict[str, Any] = {}
@@ -83,7 +94,13 @@ def run(out_dir: str, scenario: dict) -> None:
         with torch.no_grad():
             result['probe_logits'] = runner.model(probe_inputs()).float().cpu()
     else:
-        runner.train()
+        try:
+            runner.train()
+        except RuntimeError as e:
+            if 'expect_error' not in scenario:
+                raise
+            torch.save({'error': str(e)}, osp.join(out_dir, f'{name}.rank{runner.rank}.pt'))
+            return
         rec = recorder(runner)
         hub = runner.message_hub
         result.update(
@@ -92,11 +109,19 @@ def run(out_dir: str, scenario: dict) -> None:
             scalars=sorted(hub.log_scalars),
             grad_norm=float(hub.get_scalar('train/grad_norm').current())
             if 'train/grad_norm' in hub.log_scalars else None)
-    engine = runner.engines['model']
     module = runner.model.module
+    result['head_used'] = getattr(module, 'head_used', None)
+    if mode == 'plain':
+        result.update(state=model_state(module), shapes={k: tuple(v.shape) for k, v in
+                                                         module.state_dict().items()})
+        torch.save(result, osp.join(out_dir, f'{name}.rank{runner.rank}.pt'))
+        return
+    engine = runner.engines['model']
     with deepspeed.zero.GatheredParameters(list(module.parameters())):
         state = model_state(module)
+        shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     result.update(
+        shapes=shapes,
         state=state, world_size=runner.world_size, stage=engine.zero_optimization_stage(),
         param_dtype=str(next(module.parameters()).dtype), global_steps=engine.global_steps,
         has_optimizer=engine.client_optimizer is not None, ema=ema_state(runner),
