@@ -17,6 +17,7 @@ from typing import Any
 import deepspeed
 import mmengine
 import torch
+from mmengine.runner import EpochBasedTrainLoop
 from torch import nn
 
 from ..config import precision, zero_stage
@@ -98,13 +99,48 @@ def resume(runner: Any, path: str, allow_unsafe: bool) -> dict[str, Any]:
     load_hub_state(runner.message_hub, client['message_hub'])
     schedulers = client.get('param_schedulers')
     if schedulers is not None and runner.param_schedulers:
-        for scheduler, state in zip(runner.param_schedulers, schedulers):
+        for index, (scheduler, state) in enumerate(zip(runner.param_schedulers, schedulers)):
+            configured_end = getattr(scheduler, 'end', None)
             scheduler.load_state_dict(state)
+            warn_if_schedule_ends_early(runner, index, scheduler, configured_end)
     # On another world size, rank r takes the RNG and buffers of rank r mod N.
     rank_file = osp.join(path, RANK_FILE.format(rank=runner.rank % saved.world_size))
     load_rank_state(engine.module, safe_load(rank_file, allow_unsafe))
     runner.call_hook('after_load_checkpoint', checkpoint=client)
     return client
+
+
+def warn_if_schedule_ends_early(runner: Any, index: int, scheduler: Any,
+                                configured_end: Any) -> None:
+    """One warning when a resumed scheduler ends before this run's schedule would.
+
+    MMEngine restores a scheduler's ``end`` (and ``T_max``), which it
+    defaulted from the ``max_epochs`` / ``max_iters`` of the run that saved,
+    so that a resumed run equals the run that never stopped. A run resumed
+    with a longer schedule then keeps the value reached at the old end.
+
+    Args:
+        runner (Any): The resuming runner.
+        index (int): The scheduler's position in ``param_scheduler``.
+        scheduler (Any): The scheduler, its state restored.
+        configured_end (Any): Its ``end`` as this run's config built it.
+    """
+    saved_end = getattr(scheduler, 'end', None)
+    if not isinstance(saved_end, int) or not isinstance(configured_end, int) \
+            or saved_end >= configured_end:
+        return
+    by_epoch = bool(getattr(scheduler, 'by_epoch', False))
+    unit = 'epoch' if by_epoch else 'iteration'
+    total = (f'max_epochs={runner.max_epochs}'
+             if isinstance(runner.train_loop, EpochBasedTrainLoop)
+             else f'max_iters={runner.max_iters}')
+    runner.logger.warning(
+        f'param_scheduler[{index}] ({type(scheduler).__name__}) resumed with end={saved_end} '
+        f'({unit}s) from the checkpoint, but this config trains to {total}: like MMEngine, '
+        'the resumed run continues the saved schedule, so its value stays at the one reached '
+        f'at {unit} {saved_end}. To schedule the added {unit}s, append a scheduler with '
+        f'begin={saved_end}, end={configured_end} to param_scheduler (the saved state fills '
+        'only the first schedulers).')
 
 
 def read_weights(source: str, allow_unsafe: bool) -> tuple[dict[str, torch.Tensor], dict]:
@@ -114,8 +150,13 @@ def read_weights(source: str, allow_unsafe: bool) -> tuple[dict[str, torch.Tenso
     if not osp.isfile(source):
         raise CheckpointError(f'load_from={source!r} does not exist.')
     if source.endswith('.safetensors'):
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
-        return load_file(source), {}
+        try:
+            return load_file(source), {}
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f'{source} cannot be read as safetensors ({e}): it is truncated '
+                                  'or not a safetensors file. Copy it again.') from e
     loaded = safe_load(source, allow_unsafe)
     if not isinstance(loaded, dict):
         raise CheckpointError(f'{source} holds a {type(loaded).__name__}, not a state dict.')
@@ -135,6 +176,23 @@ def revise(state: dict[str, torch.Tensor],
     return state
 
 
+def refuse_unrelated(state: dict[str, torch.Tensor], model: nn.Module, source: str) -> None:
+    """Refuse weights none of whose keys the model has (another model, or unrevised keys).
+
+    MMEngine's non-strict loading would warn twice and train from random
+    weights; a partial match (a backbone into a detector) still loads.
+    """
+    own = list(model.state_dict())
+    if not state or not own or not set(state).isdisjoint(own):
+        return
+    raise CheckpointError(
+        f'{source} matches none of this model\'s parameters: it holds {len(state)} keys '
+        f'({", ".join(sorted(state)[:3])}, ...), the model has {", ".join(own[:3])}, ... '
+        'Check that load_from names weights of this model; to map other key names, call '
+        "runner.load_checkpoint(path, revise_keys=[(r'^backbone\\.', '')]) (pattern, "
+        "replacement), or load a part with init_cfg=dict(type='Pretrained', prefix=...).")
+
+
 def load_weights_into(model: nn.Module, source: str, *, strict: bool,
                       revise_keys: Sequence[tuple[str, str]], allow_unsafe: bool,
                       logger: Any) -> dict[str, Any]:
@@ -145,6 +203,7 @@ def load_weights_into(model: nn.Module, source: str, *, strict: bool,
     """
     state, meta = read_weights(source, allow_unsafe)
     state = revise(state, revise_keys)
+    refuse_unrelated(state, model, source)
     try:
         result = model.load_state_dict(state, strict=strict)
     except RuntimeError as e:

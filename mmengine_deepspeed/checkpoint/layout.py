@@ -55,7 +55,15 @@ def read_meta(path: str) -> dict[str, Any]:
         raise CheckpointError(
             f'{meta_path} is missing: {path!r} is not a complete DeepSpeedRunner checkpoint.')
     with open(meta_path, encoding='utf-8') as f:
-        return dict(json.load(f))
+        try:
+            meta = json.load(f)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(
+                f'{meta_path} is not valid JSON ({e}): the checkpoint was damaged or edited. '
+                'Copy it again or resume from another checkpoint.') from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f'{meta_path} must hold a JSON object, got {type(meta).__name__}.')
+    return meta
 
 
 def write_text_atomic(path: str, text: str) -> None:

@@ -35,6 +35,10 @@ def zero(stage: int, **extra: Any) -> dict:
 BRANCH = dict(model={'type': 'ToyBranchModel', 'with_bn': False}, optimizer=SGD, val=False)
 SCALAR = dict(model={'type': 'ToyScalarModel', 'with_bn': False}, optimizer=ADAMW, val=False,
               clip_grad={'max_norm': 0.5})
+# by-epoch cosine whose end MMEngine defaults from max_epochs
+SCHED = dict(ds_config=zero(2), by_epoch=True, max_epochs=2, val=False,
+             param_scheduler=[{'type': 'CosineAnnealingLR', 'by_epoch': True, 'eta_min': 0.01}],
+             checkpoint={'type': 'CheckpointHook', 'interval': 1})
 SCENARIOS: list[dict[str, Any]] = [
     {'name': 'branch_plain', 'mode': 'plain', 'cfg': BRANCH},
     *({'name': f'branch_z{s}', 'cfg': dict(BRANCH, ds_config=zero(s),
@@ -50,9 +54,12 @@ SCENARIOS: list[dict[str, Any]] = [
     {'name': 'scalar_z2', 'cfg': dict(SCALAR, ds_config=zero(2), checkpoint=EVERY_4)},
     {'name': 'scalar_z3', 'cfg': dict(SCALAR, ds_config=zero(3), checkpoint=EVERY_4,
                                       custom_hooks=[EMA, {'type': 'RecorderHook'}])},
+    {'name': 'sched', 'cfg': SCHED},
     {'name': 'scalar_z2_bf16', 'cfg': dict(SCALAR, ds_config=zero(2, bf16={'enabled': True}))},
 ]
 RESUMED = [
+    {'name': 'sched_longer', 'cfg': dict(SCHED, max_epochs=4, resume=True,
+                                         load_from='{out}/sched/epoch_2.pth')},
     {'name': 'scalar_z2_resumed', 'cfg': dict(SCALAR, ds_config=zero(2), checkpoint=EVERY_4,
                                               resume=True, load_from='{out}/scalar_z2/iter_4.pth')},
     {'name': 'scalar_z3_resumed', 'cfg': dict(
@@ -64,17 +71,19 @@ RESUMED = [
 ]
 
 
-def _launch(out: str, scenarios: list[dict], nproc: int = WORLD) -> None:
+def _launch(out: str, scenarios: list[dict], nproc: int = WORLD) -> str:
     args = [json.dumps(s).replace('{out}', out) for s in scenarios]
     proc = run_torchrun(['tests/dist/worker.py', out, *args], nproc=nproc, timeout=400)
     assert proc.returncode == 0, proc.stdout[-8000:]
+    return proc.stdout
 
 
 @pytest.fixture(scope='module')
 def out(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = str(tmp_path_factory.mktemp('patterns'))
     _launch(path, SCENARIOS)
-    _launch(path, RESUMED)
+    with open(osp.join(path, 'resumed.log'), 'w') as f:
+        f.write(_launch(path, RESUMED))
     return path
 
 
@@ -181,6 +190,20 @@ def test_zero_dim_parameters_reshard_to_one_rank(out: str) -> None:
     resumed = result(out, 'scalar_reshard')
     assert resumed['shapes']['logit_scale'] == ()
     assert_close(resumed['state'], consolidated_state_dict(ckpt), atol=0)
+
+
+def test_resuming_with_a_longer_schedule_warns_once(out: str) -> None:
+    """MMEngine's semantics are kept (the saved end), with one warning naming the fix."""
+    with open(osp.join(out, 'resumed.log')) as f:
+        log = f.read()
+    warnings = [line for line in log.splitlines()
+                if 'param_scheduler[0] (CosineAnnealingLR) resumed with end=2' in line]
+    assert len(warnings) == 1, log[-4000:]
+    assert 'max_epochs=4' in warnings[0] and 'begin=2, end=4' in warnings[0]
+    straight, longer = result(out, 'sched'), result(out, 'sched_longer')
+    per_epoch = len(straight['lrs']) // 2
+    assert len(longer['lrs']) == 2 * per_epoch
+    assert longer['lrs'] == [straight['lrs'][-1]] * len(longer['lrs'])  # stuck at the old end
 
 
 def test_deepspeed_behaviours_zero_dim_parameters_rely_on(tmp_path: Any) -> None:

@@ -346,3 +346,40 @@ def test_safetensors_and_cast_exports_get_tensors_of_their_own(tmp_path: Any) ->
     half = cast_state_dict(state, torch.bfloat16, standalone=True)
     assert half['a'].dtype == torch.bfloat16 and half['steps'].dtype == torch.int64
     assert half['steps'].data_ptr() == state['steps'].data_ptr()  # owns its memory already
+
+
+def test_meta_that_is_not_json_names_the_file(tmp_path: Any) -> None:
+    path = make_checkpoint(str(tmp_path / 'ck'))
+    with open(osp.join(path, META_FILE), 'w') as f:
+        f.write('{format_version: 1')
+    with pytest.raises(CheckpointError, match=r'meta\.json is not valid JSON'):
+        check_checkpoint(path)
+
+
+def test_truncated_safetensors_names_the_file(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+    path = str(tmp_path / 'weights.safetensors')
+    save_file(ToyModel().state_dict(), path)
+    with open(path, 'rb') as f:
+        data = f.read()
+    with open(path, 'wb') as f:
+        f.write(data[:7])
+    with pytest.raises(CheckpointError, match=r'weights\.safetensors cannot be read'):
+        read_weights(path, allow_unsafe=False)
+
+
+def test_weights_of_another_model_are_refused(tmp_path: Any) -> None:
+    """No key matches: refused, where MMEngine warns twice and trains from random weights."""
+    path = str(tmp_path / 'linear.pth')
+    torch.save({'state_dict': torch.nn.Linear(3, 3).state_dict()}, path)
+    with pytest.raises(CheckpointError, match=r'(?s)linear\.pth matches none.*2 keys.*revise_keys'):
+        load_weights_into(ToyModel(), path, strict=False, revise_keys=[], allow_unsafe=False,
+                          logger=_Log())
+    # a partial match still loads, with MMEngine's warnings
+    partial = str(tmp_path / 'partial.pth')
+    state = ToyModel().state_dict()
+    torch.save({'fc1.weight': state['fc1.weight'], 'other': torch.zeros(1)}, partial)
+    log = _Log()
+    load_weights_into(ToyModel(), partial, strict=False, revise_keys=[], allow_unsafe=False,
+                      logger=log)
+    assert any('other' in m for m in log.warnings)
