@@ -10,5 +10,5 @@ ds_config = dict(
         stage=3,
         offload_optimizer=dict(device='cpu', pin_memory=False),
         offload_param=dict(device='cpu', pin_memory=False)),
-    bf16=dict(enabled=True))
+    bf16=dict(enabled='auto'))
 work_dir = 'work_dirs/synthetic_classifier_zero3_offload'

@@ -42,9 +42,10 @@ KNOWN_TOP_LEVEL_KEYS = (
     'zero_force_ds_cpu_optimizer', 'zero_optimization',
 )
 
-# Keys whose value we may fill; "auto" anywhere else is refused.
+# Keys whose value we may fill; "auto" anywhere else is refused. bf16 "auto"
+# means bf16 where the hardware computes it natively, fp32 elsewhere.
 FILLED_KEYS = ('train_micro_batch_size_per_gpu', 'gradient_accumulation_steps',
-               'gradient_clipping', 'train_batch_size')
+               'gradient_clipping', 'train_batch_size', 'bf16.enabled', 'bfloat16.enabled')
 
 # Optim wrappers that do their own mixed precision; DeepSpeed does it instead.
 AMP_WRAPPERS = ('AmpOptimWrapper', 'ApexOptimWrapper')
@@ -179,6 +180,7 @@ def resolve_ds_config(
     world_size: Optional[int],
     cuda_available: bool,
     config_dir: Optional[str] = None,
+    native_bf16: bool = True,
 ) -> dict:
     """Load, validate and fill a ds_config against the MMEngine config.
 
@@ -194,6 +196,8 @@ def resolve_ds_config(
         cuda_available (bool): Whether this process can use CUDA.
         config_dir (str, optional): See :func:`load_ds_config`.
             Defaults to None.
+        native_bf16 (bool): Whether this machine computes bf16 natively;
+            ``bf16.enabled="auto"`` becomes this. Defaults to True.
 
     Returns:
         dict: The config to hand to ``deepspeed.initialize``.
@@ -201,6 +205,9 @@ def resolve_ds_config(
     ds = load_ds_config(source, config_dir)
     _check_keys(ds)
     _check_types(ds)
+    for section in ('bf16', 'bfloat16'):
+        if get_value(ds, f'{section}.enabled') == AUTO:
+            ds[section]['enabled'] = native_bf16
     _check_precision(ds, cuda_available)
     _check_optim_wrapper(side)
     _check_ownership(ds, side)
@@ -210,6 +217,13 @@ def resolve_ds_config(
     # duplicating LoggerHook; None switches it off (the engine tests for None).
     ds.setdefault('steps_per_print', None)
     return ds
+
+
+def bf16_request(source: DsConfigSource, config_dir: Optional[str] = None) -> Any:
+    """What the user's ds_config says for ``bf16.enabled``: True, False, ``"auto"`` or None."""
+    ds = load_ds_config(source, config_dir)
+    value = get_value(ds, 'bf16.enabled')
+    return get_value(ds, 'bfloat16.enabled') if value is None else value
 
 
 def _check_keys(ds: Mapping[str, Any]) -> None:
@@ -269,7 +283,10 @@ def _check_types(ds: Mapping[str, Any]) -> None:
         if value is not None:
             _expect(ds, section, isinstance(value, Mapping), 'a dict')
         enabled = get_value(ds, f'{section}.enabled')
-        if enabled is not None:
+        if enabled is not None and f'{section}.enabled' in FILLED_KEYS:
+            _expect(ds, f'{section}.enabled', isinstance(enabled, bool) or enabled == AUTO,
+                    'true, false or "auto"')
+        elif enabled is not None:
             _expect(ds, f'{section}.enabled', isinstance(enabled, bool), 'true or false')
     stage = get_value(ds, 'zero_optimization.stage')
     if stage is not None:

@@ -104,13 +104,16 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         # window", MMEngine's rule; the engine reduces and steps on it.
         self.engine.set_gradient_accumulation_boundary(self.should_sync())
         retain_graph = kwargs.get('retain_graph', False)
-        named = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
         if self.find_unused_parameters:
-            loss = with_every_parameter(loss, [p for _, p in named], retain_graph)
+            loss = with_every_parameter(loss, [p for _, p in self._trainable()], retain_graph)
         elif dist.is_initialized() and dist.get_world_size() > 1:
-            check_same_parameters_used(loss, named)
+            check_same_parameters_used(loss, self._trainable())
         self.engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
         self._inner_count += 1
+
+    def _trainable(self) -> list[tuple[str, nn.Parameter]]:
+        # Read every time: GANs toggle requires_grad between their steps.
+        return [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
 
     def step(self, **kwargs: Any) -> None:
         """Step the engine; at a boundary this updates and logs the grad norm.

@@ -42,12 +42,19 @@ from .checkpoint.hook import DeepSpeedCheckpointHook  # noqa: F401  registers it
 from .checkpoint.layout import check_checkpoint, find_latest_complete
 from .checkpoint.loop import ResumableEpochBasedTrainLoop  # noqa: F401  registers it
 from .checkpoint.reshard import Layout, check_reshardable, needs_universal
-from .config import DsConfigSource, MMEngineSide, precision, resolve_ds_config, zero_stage
-from .dist import cuda_available, init_distributed, quiet_deepspeed
+from .config import (
+    DsConfigSource,
+    MMEngineSide,
+    bf16_request,
+    precision,
+    resolve_ds_config,
+    zero_stage,
+)
+from .dist import cuda_available, init_distributed, native_bf16, quiet_deepspeed
 from .ema import DeepSpeedEMAHook
 from .engine import DeepSpeedEngineWrapper, gathered
 from .model_settings import fit_to_model
-from .monitor import ThroughputHook, banner
+from .monitor import ThroughputHook, banner, precision_note
 from .optim_wrapper import DeepSpeedOptimWrapper
 from .scalars import engine_config, initializable
 from .unused import check_find_unused_supported
@@ -171,7 +178,7 @@ class DeepSpeedRunner(Runner):
     def _resolve_ds_config(self, world_size: Optional[int]) -> dict:
         return resolve_ds_config(self._ds_config_source, self._side, world_size=world_size,
                                  cuda_available=cuda_available(),
-                                 config_dir=self._config_dir)
+                                 config_dir=self._config_dir, native_bf16=native_bf16())
 
     def setup_env(self, env_cfg: dict) -> None:
         """Create the process group (CPU-safe, with a timeout), then MMEngine's setup.
@@ -314,6 +321,10 @@ class DeepSpeedRunner(Runner):
         self.engines[ENGINE_KEY] = engine
         self.model = DeepSpeedEngineWrapper(engine, CAST_DTYPES[precision(ds_config)])
         self.logger.info(banner(ds_config, self.world_size, engine.module, optimizer is not None))
+        note = precision_note(bf16_request(self._ds_config_source, self._config_dir),
+                              precision(ds_config), cuda_available())
+        if note is not None:
+            self.logger.warning(note)
         return engine
 
     def _ensure_engine(self) -> None:

@@ -1,10 +1,11 @@
 # The demo: a tiny byte-level GPT on the Python standard library's source,
-# DeepSpeed ZeRO-3 in bf16. `mmengine-deepspeed demo` runs it; so does
+# DeepSpeed ZeRO-3, in bf16 where the hardware computes it natively (fp32
+# elsewhere: "auto"). `mmengine-deepspeed demo` runs it; so does
 # `mmengine-deepspeed train` with this file (configs/demo_gpt_zero3.py).
 custom_imports = dict(imports=['mmengine_deepspeed', 'mmengine_deepspeed.demo'],
                       allow_failed_imports=False)
 runner_type = 'DeepSpeedRunner'
-ds_config = dict(zero_optimization=dict(stage=3), bf16=dict(enabled=True))
+ds_config = dict(zero_optimization=dict(stage=3), bf16=dict(enabled='auto'))
 
 block_size = 64
 model = dict(type='TinyGPT', block_size=block_size, width=128, depth=4, heads=4,

@@ -185,7 +185,7 @@ def test_sections_must_be_dicts(section: str) -> None:
 
 
 def test_enabled_must_be_a_bool() -> None:
-    refused({'bf16': {'enabled': 'yes'}}, 'ds_config.bf16.enabled must be true or false')
+    refused({'fp16': {'enabled': 'yes'}}, 'ds_config.fp16.enabled must be true or false')
 
 
 def test_steps_per_print_type() -> None:
@@ -221,8 +221,8 @@ def test_unknown_top_level_key_without_close_match() -> None:
 
 
 def test_auto_in_a_key_we_cannot_fill_is_refused() -> None:
-    refused({'bf16': {'enabled': 'auto'}}, 'ds_config.bf16.enabled is "auto"',
-            'train_micro_batch_size_per_gpu')
+    refused({'zero_optimization': {'stage': 'auto'}},
+            'ds_config.zero_optimization.stage is "auto"', 'train_micro_batch_size_per_gpu')
 
 
 def test_pipeline_parallel_is_refused() -> None:
@@ -321,3 +321,17 @@ def test_dotted_lookup() -> None:
     assert get_value(ds, 'zero_optimization.offload_param.device') == 'cpu'
     assert get_value(ds, 'zero_optimization.stage', 7) == 7
     assert get_value(ds, 'zero_optimization.offload_param.device.x') is None
+
+
+# --- bf16 "auto": bf16 where the hardware computes it natively ----------------
+
+@pytest.mark.parametrize('native', [True, False])
+def test_bf16_auto_follows_the_hardware(native: bool) -> None:
+    ds = resolve({'bf16': {'enabled': 'auto'}}, native_bf16=native)
+    assert ds['bf16']['enabled'] is native
+    assert precision(ds) == ('bf16' if native else 'fp32')
+
+
+def test_bf16_enabled_must_be_a_bool_or_auto() -> None:
+    refused({'bf16': {'enabled': 'yes'}}, 'ds_config.bf16.enabled must be true, false or "auto"')
+    refused({'fp16': {'enabled': 'auto'}}, 'ds_config.fp16.enabled is "auto"')

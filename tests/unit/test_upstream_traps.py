@@ -1,7 +1,9 @@
 """MMEngine 0.10.7 traps on DeepSpeed 0.19 that importing our package must avoid."""
 from __future__ import annotations
 
+import os
 import pickle
+import platform
 from typing import Any
 
 import pytest
@@ -53,3 +55,23 @@ def test_mmengine_resume_fails_on_this_torch(tmp_path: Any) -> None:
                                               checkpoint=ckpt, resume=True)))
     with pytest.raises(pickle.UnpicklingError, match='Weights only load failed'):
         again.train()
+
+
+def _cpu_flags() -> set[str]:
+    with open('/proc/cpuinfo', encoding='utf-8') as f:
+        return {flag for line in f if line.startswith('flags') for flag in line.split()[2:]}
+
+
+@pytest.mark.skipif(not os.path.isfile('/proc/cpuinfo') or platform.machine() != 'x86_64',
+                    reason='compares torch with the x86 CPU flags Linux lists')
+def test_torch_cpu_bf16_probes_match_the_cpu_flags() -> None:
+    """Pins the private torch probes dist.native_bf16() reads against what the CPU says."""
+    import torch
+
+    from mmengine_deepspeed.dist import native_bf16
+
+    flags = _cpu_flags()
+    assert torch.cpu._is_avx512_bf16_supported() == ('avx512_bf16' in flags)
+    assert torch.cpu._is_amx_tile_supported() == ('amx_tile' in flags)
+    if not torch.cuda.is_available():
+        assert native_bf16() == bool({'avx512_bf16', 'amx_tile'} & flags)
