@@ -8,14 +8,17 @@ needs only ``custom_imports``, ``runner_type`` and ``ds_config``.
 It never imports MMEngine's ``DeepSpeedStrategy`` machinery, whose optimizer
 registration imports a module DeepSpeed 0.19 removed.
 """
-from .checkpoint import CheckpointError, export_checkpoint
-from .config import DsConfigError, MMEngineSide, resolve_ds_config
-from .dist import init_distributed
-from .engine import DeepSpeedEngineWrapper
-from .optim_wrapper import DeepSpeedOptimWrapper
-from .optimizers import register_deepspeed_optimizers
-from .runner import DeepSpeedRunner
-from .version import __version__
+from .dist import hide_cpu_accelerator_notice, init_distributed
+
+hide_cpu_accelerator_notice()  # before the imports below import DeepSpeed
+
+from .checkpoint import CheckpointError, export_checkpoint  # noqa: E402
+from .config import DsConfigError, MMEngineSide, resolve_ds_config  # noqa: E402
+from .engine import DeepSpeedEngineWrapper  # noqa: E402
+from .optim_wrapper import DeepSpeedOptimWrapper  # noqa: E402
+from .optimizers import register_deepspeed_optimizers  # noqa: E402
+from .runner import DeepSpeedRunner  # noqa: E402
+from .version import __version__  # noqa: E402
 
 register_deepspeed_optimizers()
 

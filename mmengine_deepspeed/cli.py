@@ -88,14 +88,21 @@ def load_train_config(config: str, work_dir: Optional[str], launcher: str, cfg_o
 
 def run_training(config: str, work_dir: Optional[str], launcher: str, cfg_options: dict,
                  resume: Optional[str] = None, zero: Optional[int] = None,
-                 ds_config: Optional[str] = None) -> str:
+                 ds_config: Optional[str] = None, console_log: Optional[str] = None) -> str:
     """Build the runner the config asks for (DeepSpeedRunner by default) and train.
 
-    Module-level, so that ``--nproc`` can hand it to each process.
+    Module-level, so that ``--nproc`` can hand it to each process. With
+    ``console_log`` (the demo) everything this process prints goes to that
+    file, and rank 0 draws the demo's progress bar on the console instead.
 
     Returns:
         str: The work directory.
     """
+    if console_log is not None:
+        from .demo.console import captured
+
+        with captured(console_log, show_progress=int(os.environ.get('RANK', '0')) == 0):
+            return run_training(config, work_dir, launcher, cfg_options, resume, zero, ds_config)
     from mmengine.registry import RUNNERS
 
     import mmengine_deepspeed  # noqa: F401  registers DeepSpeedRunner
@@ -114,7 +121,7 @@ def train(args: argparse.Namespace) -> str:
     if args.nproc < 1:
         raise ValueError(f'--nproc {args.nproc}: give at least 1.')
     call = (args.config, args.work_dir, args.launcher, args.cfg_options, args.resume, args.zero,
-            args.ds_config)
+            args.ds_config, getattr(args, 'console_log', None))
     if args.nproc == 1:
         return run_training(*call)
     if args.launcher != 'none':

@@ -131,6 +131,27 @@ DEEPSPEED_DEPRECATION_NOISE = (r'`torch\.distributed\.all_gather_into_tensor` is
                                r'`torch\.distributed\.reduce_scatter_tensor` is deprecated')
 
 
+CPU_ACCELERATOR_NOTICE = 'Setting accelerator to CPU'
+
+
+def _not_the_cpu_notice(record: logging.LogRecord) -> bool:
+    return CPU_ACCELERATOR_NOTICE not in record.getMessage()
+
+
+def hide_cpu_accelerator_notice() -> None:
+    """Drop DeepSpeed's import-time "Setting accelerator to CPU ..." warning.
+
+    DeepSpeed prints it once per process (every rank, and the parent of
+    ``--nproc``) on machines without CUDA; the start-up banner states the
+    device and backend a run uses, so the line only buries the first screen.
+    A filter on DeepSpeed's logger, installed before DeepSpeed is imported
+    (its level is reset at import, its filters are not).
+    """
+    ds_logger = logging.getLogger('DeepSpeed')
+    if _not_the_cpu_notice not in ds_logger.filters:
+        ds_logger.addFilter(_not_the_cpu_notice)
+
+
 def quiet_deepspeed(rank: int, verbose: bool = False) -> None:
     """One copy of DeepSpeed's messages: warnings from rank 0, errors from all ranks.
 

@@ -14,6 +14,8 @@ from typing import Any
 
 from mmengine.config import Config
 
+from .console import captured
+
 CONFIG = osp.join(osp.dirname(osp.abspath(__file__)), 'gpt_zero3.py')
 PROMPT = b'def '
 
@@ -32,6 +34,7 @@ def demo_overrides(max_iters: int) -> dict[str, Any]:
                  eta_min=3e-4)],
         'default_hooks.checkpoint.interval': max_iters,
         'default_hooks.logger.interval': max(1, min(25, max_iters // 4)),
+        'custom_hooks': [dict(type='DemoProgressHook')],
     }
 
 
@@ -50,50 +53,63 @@ def run_demo(nproc: int = 2, zero: int = 3, max_iters: int = 300,
     """
     import argparse
 
+    from ..cli import train
+    from ..dist import native_bf16
+
+    start = time.perf_counter()
+    console_log = osp.join(work_dir, 'console.log')
+    precision = ('bf16' if native_bf16() else
+                 'fp32 (this CPU has no native bf16: AVX512-BF16 or AMX)')
+    print(f'mmengine-deepspeed demo: a tiny GPT on the Python standard library, {max_iters} '
+          f'iterations, ZeRO-{zero}, {nproc} processes, {precision}; full logs in '
+          f'{console_log}', flush=True)
+    args = argparse.Namespace(config=CONFIG, nproc=nproc, work_dir=work_dir, launcher='none',
+                              cfg_options=demo_overrides(max_iters), resume=None, zero=zero,
+                              ds_config=None, console_log=console_log)
+    train(args)
+    trained = time.perf_counter() - start
+    with captured(console_log, show_progress=False) as console:
+        summary = _after_training(work_dir)
+        verdict = 'learned' if summary['val_loss'] < summary['baseline'] else \
+            'NOT below the baseline'
+        summary.update(train_seconds=trained, total_seconds=time.perf_counter() - start)
+        console.write('\n'.join([
+            '',
+            f'mmengine-deepspeed demo: {max_iters} iterations, ZeRO-{zero}, {nproc} processes, '
+            f'{trained:.0f} s of training',
+            f'  validation loss {summary["val_loss"]:.3f} nats/byte; unigram baseline '
+            f'{summary["baseline"]:.3f} ({verdict})',
+            f'  checkpoint : {summary["checkpoint"]}',
+            f'  weights    : {summary["weights"]}  (plain MMEngine load_checkpoint, no DeepSpeed)',
+            f'  curves     : {summary["curves"]}',
+            '  sample     :',
+            '    ' + (PROMPT.decode() + summary['sample']).replace('\n', '\n    '),
+            '']))
+    return summary
+
+
+def _after_training(work_dir: str) -> dict[str, Any]:
+    """Export, plot and sample without DeepSpeed, in this process."""
+    from mmengine.runner import load_checkpoint
+
     from ..checkpoint.export import export_checkpoint
     from ..checkpoint.layout import find_latest_complete
-    from ..cli import train
     from ..plot import plot_run, read_scalars
     from .data import unigram_baseline
     from .model import TinyGPT
 
-    start = time.perf_counter()
-    args = argparse.Namespace(config=CONFIG, nproc=nproc, work_dir=work_dir, launcher='none',
-                              cfg_options=demo_overrides(max_iters), resume=None, zero=zero,
-                              ds_config=None)
-    train(args)
-    trained = time.perf_counter() - start
     checkpoint, _ = find_latest_complete(work_dir)
     if checkpoint is None:
         raise RuntimeError(f'training finished without a complete checkpoint in {work_dir}')
     weights = export_checkpoint(checkpoint, osp.join(work_dir, 'demo_gpt.pth'))
     curves = plot_run(work_dir, osp.join(work_dir, 'loss_curve.png'))
     val = read_scalars(work_dir)['val/loss']
-    val_loss = val[max(val)]
-    baseline = unigram_baseline()
-
-    from mmengine.runner import load_checkpoint
-
     model_cfg = dict(Config.fromfile(CONFIG).model)
     model_cfg.pop('type')
     model_cfg.pop('data_preprocessor', None)
     model = TinyGPT(**model_cfg)
     load_checkpoint(model, weights, map_location='cpu', strict=True, logger='silent')
     model.eval()
-    sample = model.generate(PROMPT, 200).decode('utf-8', errors='replace')
-    summary = dict(val_loss=val_loss, baseline=baseline, checkpoint=checkpoint, weights=weights,
-                   curves=curves, sample=sample, train_seconds=trained,
-                   total_seconds=time.perf_counter() - start)
-    print('\n'.join([
-        '',
-        f'mmengine-deepspeed demo: {max_iters} iterations, ZeRO-{zero}, {nproc} processes, '
-        f'{trained:.0f} s of training',
-        f'  validation loss {val_loss:.3f} nats/byte; unigram baseline {baseline:.3f} '
-        f'({"learned" if val_loss < baseline else "NOT below the baseline"})',
-        f'  checkpoint : {checkpoint}',
-        f'  weights    : {weights}  (plain MMEngine load_checkpoint, no DeepSpeed)',
-        f'  curves     : {curves}',
-        '  sample     :',
-        '    ' + (PROMPT.decode() + sample).replace('\n', '\n    '),
-    ]), flush=True)
-    return summary
+    return dict(val_loss=val[max(val)], baseline=unigram_baseline(), checkpoint=checkpoint,
+                weights=weights, curves=curves, sample=model.generate(PROMPT, 200).decode(
+                    'utf-8', errors='replace'))

@@ -62,6 +62,14 @@ def test_demo_then_plot(tmp_path: Any) -> None:
     assert 'mmengine-deepspeed demo: 20 iterations, ZeRO-3, 2 processes' in out
     assert 'validation loss' in out and 'unigram baseline' in out
     assert 'sample     :' in out
+    # a first impression: one line, the progress bar, validation lines, the summary;
+    # MMEngine's environment dump and DeepSpeed's warnings only in the work_dir's log
+    assert out.startswith('mmengine-deepspeed demo: a tiny GPT'), out[:2000]
+    assert '20/20  loss' in out and 'ETA' in out and 'validation at iteration 20' in out
+    for noise in ('System environment', 'Setting accelerator', 'DeepSpeed engine ready'):
+        assert noise not in out, noise
+    with open(osp.join(work, 'console.log'), encoding='utf-8') as f:
+        assert 'System environment' in f.read()
     for name in ('demo_gpt.pth', 'loss_curve.png'):
         assert osp.isfile(osp.join(work, name)), name
     with open(osp.join(work, 'loss_curve.png'), 'rb') as f:

@@ -104,3 +104,15 @@ def test_deepspeed_8499_zero3_load_ignores_tag(tmp_path: Any) -> None:
                        timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert 'LOADED_A False LOADED_B True' in proc.stdout, proc.stdout[-3000:]
+
+
+def test_bf16_auto_trains_in_fp32_on_a_cpu_without_native_bf16(tmp_path: Any) -> None:
+    """The demo's and example configs' bf16 "auto", on a CPU that would emulate bf16 (the
+    CPU probe is replaced in the worker: this machine's CPU may have AVX512-BF16)."""
+    proc = run_command([sys.executable, 'tests/dist/bf16_worker.py', str(tmp_path)],
+                       timeout=180, extra_env=dict(ONE_RANK_ENV, MASTER_PORT=str(free_port())))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert 'PRECISION fp32 float32' in proc.stdout
+    lines = [line for line in _log_text(str(tmp_path)).splitlines()
+             if 'bf16.enabled="auto": training in fp32' in line]
+    assert len(lines) == 1, lines

@@ -330,3 +330,17 @@ def test_find_unused_parameters_gradients_arrive_in_one_order_whatever_was_used(
     body = nn.Linear(3, 3)
     (body(torch.ones(2, 3)).sum() * 1024.0).backward()
     assert torch.equal(skipped_grads[0], body.weight.grad)
+
+
+def test_emulated_bf16_is_named_with_its_cost_and_the_fix(monkeypatch: Any) -> None:
+    """The CPU probe is replaced: this machine's CPU may compute bf16 natively."""
+    import mmengine_deepspeed.monitor as monitor
+
+    monkeypatch.setattr(monitor, 'native_bf16', lambda: False)
+    note = monitor.precision_note(True, 'bf16', on_cuda=False)
+    assert note is not None and 'emulated' in note and '"auto"' in note and 'slower' in note
+    assert 'training in fp32' in str(monitor.precision_note('auto', 'fp32', on_cuda=False))
+    assert monitor.precision_note(False, 'fp32', on_cuda=False) is None
+    assert monitor.precision_note(True, 'bf16', on_cuda=True) is None
+    monkeypatch.setattr(monitor, 'native_bf16', lambda: True)
+    assert monitor.precision_note(True, 'bf16', on_cuda=False) is None
