@@ -14,7 +14,12 @@ known GPUs, or --peak-tflops).
 With --profile, one more launch per mode runs the tiny model's measured iterations of
 rank 0 under cProfile and prints where each iteration's time goes, by package.
 
-    python benchmarks/overhead.py [--rounds 3] [--profile] [--peak-tflops T] [--smoke]
+With --unused, each round also trains the runner with find_unused_parameters=True
+(ZeRO-2), and a second table puts its speed next to the default runner's, whose
+per-iteration check that every rank used the same parameters is timed on its own.
+
+    python benchmarks/overhead.py [--rounds 3] [--profile] [--unused] [--peak-tflops T]
+                                  [--smoke]
 """
 from __future__ import annotations
 
@@ -83,6 +88,19 @@ def speed_table(models: list[str], stages: tuple[int, ...], results: dict[tuple,
                   'first iter s raw/runner/strategy'], rows)
 
 
+def unused_table(models: list[str], results: dict[tuple, list[dict]]) -> str:
+    rows = []
+    for model in models:
+        default, unused = results[(model, 2, 'runner')], results[(model, 2, 'runner_find_unused')]
+        speed = statistics.median(r['it_per_s'] for r in default)
+        check = statistics.median(r['check_ms'] for r in default)
+        rows.append([model, speed, check, f'{check * speed / 10:.2f} %',
+                     statistics.median(r['it_per_s'] for r in unused),
+                     spread([u['it_per_s'] / d['it_per_s'] for u, d in zip(unused, default)])])
+    return table(['model (ZeRO-2)', 'runner it/s', 'check ms/iter', 'check share',
+                  'find_unused it/s', 'find_unused/runner min/med/max'], rows)
+
+
 def profile_table(profiles: dict[str, dict[str, float]]) -> str:
     packages = sorted({p for prof in profiles.values() for p in prof},
                       key=lambda p: -profiles['runner'].get(p, 0.0))
@@ -99,6 +117,8 @@ def main() -> None:
                         help='also profile the tiny model, ZeRO-2, one launch per mode')
     parser.add_argument('--peak-tflops', type=float,
                         help='bf16 peak per device for MFU (default: known GPUs only)')
+    parser.add_argument('--unused', action='store_true',
+                        help='also measure find_unused_parameters=True (ZeRO-2)')
     parser.add_argument('--json', metavar='FILE', help='also write every launch\'s result here')
     parser.add_argument('--smoke', action='store_true', help='seconds-long run for CI')
     args = parser.parse_args()
@@ -120,6 +140,9 @@ def main() -> None:
                     for mode in MODES:
                         results[(model, stage, mode)].append(
                             run(mode, model, stage, iters[model], tmp))
+                    if args.unused and stage == 2:
+                        results[(model, stage, 'runner_find_unused')].append(
+                            run('runner_find_unused', model, stage, iters[model], tmp))
         if args.profile:
             for mode in MODES:
                 profiles[mode] = run(mode, 'tiny', 2, iters['tiny'], tmp,
@@ -136,6 +159,11 @@ def main() -> None:
           f'{against}. Patches applied to the strategy run only:')
     for patch in STRATEGY_PATCHES:
         print(f'- {patch}')
+    if args.unused:
+        print('\n' + unused_table(models, results))
+        print('\ncheck: the default runner\'s per-iteration test that all ranks used the same '
+              'parameters (a walk of the autograd graph and one small all-reduce); '
+              'find_unused: gradients through one node so skipped parameters get zeros.')
     if profiles:
         print('\n' + profile_table(profiles))
         print('\nOwn time: time in each package\'s functions themselves, callees excluded; '

@@ -2,11 +2,13 @@
 
 Usage (under torchrun): ``overhead_worker.py MODE MODEL STAGE WARMUP ITERS WORK_DIR
 [--profile]``, MODE one of ``raw`` (a hand-written DeepSpeed loop), ``runner``
-(DeepSpeedRunner) and ``strategy`` (MMEngine's FlexibleRunner + DeepSpeedStrategy, with
-the patches listed in ``STRATEGY_PATCHES`` applied here only). On CUDA every mode uses
-NCCL and one GPU per rank. Rank 0 prints ``RESULT {json}``; with ``--profile`` the
-measured iterations of rank 0 run under cProfile and the result carries the time per
-iteration spent in each package's own code.
+(DeepSpeedRunner; the result carries the milliseconds its per-iteration check that
+all ranks used the same parameters took), ``runner_find_unused`` (DeepSpeedRunner with
+``find_unused_parameters=True``) and ``strategy`` (MMEngine's FlexibleRunner +
+DeepSpeedStrategy, with the patches listed in ``STRATEGY_PATCHES`` applied here only).
+On CUDA every mode uses NCCL and one GPU per rank. Rank 0 prints ``RESULT {json}``;
+with ``--profile`` the measured iterations of rank 0 run under cProfile and the result
+carries the time per iteration spent in each package's own code.
 """
 from __future__ import annotations
 
@@ -156,8 +158,25 @@ def run_raw(model_name: str, stage: int, iters: int, recorder: Recorder) -> int:
     return parameter_counts(engine.module)[0]
 
 
+CHECK_SECONDS: list[float] = []
+
+
+def time_the_unused_parameter_check() -> None:
+    """Record how long each call of the runner's same-parameters check takes."""
+    from mmengine_deepspeed import optim_wrapper
+
+    check = optim_wrapper.check_same_parameters_used
+
+    def timed(*args: Any) -> None:
+        start = time.perf_counter()
+        check(*args)
+        CHECK_SECONDS.append(time.perf_counter() - start)
+
+    optim_wrapper.check_same_parameters_used = timed
+
+
 def run_runner(model_name: str, stage: int, iters: int, work_dir: str,
-               recorder: Recorder) -> int:
+               recorder: Recorder, find_unused: bool = False) -> int:
     from mmengine.config import Config
     from mmengine.registry import RUNNERS
 
@@ -165,8 +184,11 @@ def run_runner(model_name: str, stage: int, iters: int, work_dir: str,
     from benchmarks.common import ds_config
     from mmengine_deepspeed.monitor import parameter_counts
 
+    time_the_unused_parameter_check()
     cfg = mmengine_cfg(model_name, iters, work_dir)
     cfg.update(runner_type='DeepSpeedRunner', ds_config=ds_config(stage))
+    if find_unused:
+        cfg['model_wrapper_cfg'] = dict(find_unused_parameters=True)
     runner = RUNNERS.build(Config(cfg))
     runner.register_hook(Clock(recorder))
     runner.train()
@@ -222,8 +244,9 @@ def main() -> None:
     total = warmup + iters
     if mode == 'raw':
         params = run_raw(model_name, stage, total, recorder)
-    elif mode == 'runner':
-        params = run_runner(model_name, stage, total, work_dir, recorder)
+    elif mode in ('runner', 'runner_find_unused'):
+        params = run_runner(model_name, stage, total, work_dir, recorder,
+                            find_unused=mode == 'runner_find_unused')
     else:
         params = run_strategy(model_name, stage, total, work_dir, recorder)
     profile = recorder.profile_ms()
@@ -243,7 +266,8 @@ def main() -> None:
             first_iter_s=recorder.stamps[0][0] - PROCESS_START, params=params,
             tokens_per_s=it_per_s * tokens_per_iter, world=dist.get_world_size(),
             flops_per_token=train_flops_per_token(model_name, params),
-            device=torch.cuda.get_device_name() if CUDA else 'cpu', profile_ms=profile)),
+            device=torch.cuda.get_device_name() if CUDA else 'cpu', profile_ms=profile,
+            check_ms=1000 * sum(CHECK_SECONDS[warmup:]) / max(1, len(CHECK_SECONDS[warmup:])))),
             flush=True)
     dist.barrier()
     dist.destroy_process_group()  # a clean exit (gloo can abort on teardown otherwise)

@@ -11,8 +11,9 @@ pytestmark = pytest.mark.dist
 
 
 @pytest.mark.parametrize(('command', 'fragments'), [
-    ('benchmarks/overhead.py --profile --peak-tflops 1',
-     ('runner/raw min/med/max', 'runner MFU', 'collective waits', 'mmengine_deepspeed')),
+    ('benchmarks/overhead.py --profile --unused --peak-tflops 1',
+     ('runner/raw min/med/max', 'runner MFU', 'collective waits', 'mmengine_deepspeed',
+      'find_unused/runner min/med/max', 'check ms/iter')),
     ('benchmarks/memory.py', ('tensors vs 16Φ/N', 'tensors vs layout')),
     ('benchmarks/checkpoint_cost.py', ('save ratio min/med/max', 'zero_to_fp32 command s')),
 ])
