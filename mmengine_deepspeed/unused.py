@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -52,8 +51,24 @@ def reached_parameters(loss: torch.Tensor) -> set[int]:
     return reached
 
 
-def _device() -> str:
-    return deepspeed.get_accelerator().current_device_name()
+_CPU_GROUPS: dict[int, Any] = {}
+
+
+def _cpu_group() -> Any:
+    """A gloo group over all ranks, for the check's small all-reduce of CPU data.
+
+    The mask is built on the CPU; sending it through NCCL would make the
+    CPU wait for the GPU's queued forward pass before launching backward.
+    Created once per default group (collectively, at the first check, which
+    every rank reaches in the same iteration).
+    """
+    world = dist.group.WORLD
+    if dist.get_backend() == 'gloo':
+        return world
+    key = id(world)
+    if key not in _CPU_GROUPS:
+        _CPU_GROUPS[key] = dist.new_group(backend='gloo')
+    return _CPU_GROUPS[key]
 
 
 def check_same_parameters_used(loss: torch.Tensor,
@@ -66,9 +81,8 @@ def check_same_parameters_used(loss: torch.Tensor,
             parameters, in the same order on every rank.
     """
     reached = reached_parameters(loss)
-    used = torch.tensor([id(p) in reached for _, p in named_params], dtype=torch.int32,
-                        device=_device())
-    dist.all_reduce(used)
+    used = torch.tensor([id(p) in reached for _, p in named_params], dtype=torch.int32)
+    dist.all_reduce(used, group=_cpu_group())
     world = dist.get_world_size()
     partly = [name for (name, _), count in zip(named_params, used.tolist()) if 0 < count < world]
     if partly:
@@ -100,7 +114,8 @@ class _AllGradients(torch.autograd.Function):
         # upstream is what DeepSpeed multiplied the loss by: the fp16 loss
         # scale, or 1. Passing it on scales the gradients exactly as a
         # direct backward of the loss would.
-        grads = torch.autograd.grad(loss, params, grad_outputs=upstream.to(loss.dtype),
+        # in fp32: a 2**16 loss scale does not fit in fp16
+        grads = torch.autograd.grad(loss.float(), params, grad_outputs=upstream.float(),
                                     retain_graph=retain_graph, allow_unused=True)
         return (None, *(torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)))
 
