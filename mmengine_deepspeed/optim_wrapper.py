@@ -30,7 +30,7 @@ from mmengine.registry import OPTIM_WRAPPERS
 from torch import nn
 from torch.optim import Optimizer
 
-from .unused import check_same_parameters_used, with_every_parameter
+from .unused import UsedParameters, with_every_parameter
 
 
 # force=True: importing mmengine.runner (done above, so that the order is
@@ -67,6 +67,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         self.engine = engine
         self.clip_max_norm = clip_max_norm
         self.find_unused_parameters = find_unused_parameters
+        self._used_parameters = UsedParameters()
 
     def update_params(self, loss: torch.Tensor, step_kwargs: Optional[dict] = None,
                       zero_kwargs: Optional[dict] = None) -> None:
@@ -107,7 +108,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         if self.find_unused_parameters:
             loss = with_every_parameter(loss, [p for _, p in self._trainable()], retain_graph)
         elif dist.is_initialized() and dist.get_world_size() > 1:
-            check_same_parameters_used(loss, self._trainable())
+            self._used_parameters.check(loss, self._trainable())
         self.engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
         self._inner_count += 1
 

@@ -57,7 +57,7 @@ from .model_settings import fit_to_model
 from .monitor import ThroughputHook, banner, precision_note
 from .optim_wrapper import DeepSpeedOptimWrapper
 from .scalars import engine_config, initializable
-from .unused import check_find_unused_supported
+from .unused import zero3_refusal
 
 # torch optimizers that update each element from its own gradient and state
 # only, and therefore behave the same on ZeRO's flattened partitions. DeepSpeed
@@ -287,6 +287,10 @@ class DeepSpeedRunner(Runner):
                 'The DeepSpeed engine was already built without an optimizer by val()/test(); '
                 'call train() first, or build a new runner for training.')
         ds_config = self._resolve_ds_config(world_size=self.world_size)
+        refusal = zero3_refusal(zero_stage(ds_config))
+        if self._find_unused_parameters and optimizer is not None and refusal is not None:
+            self.logger.warning(refusal)
+            self._find_unused_parameters = False
         if optimizer is None and zero_stage(ds_config) in (1, 2):
             # ZeRO-1/2 partition optimizer states and gradients only, and
             # DeepSpeed refuses them without an optimizer; the weights of an
@@ -305,8 +309,6 @@ class DeepSpeedRunner(Runner):
             if isinstance(hook, DeepSpeedEMAHook):
                 hook.take_template(model)  # full fp32 weights, before partitioning
         fit_to_model(ds_config, model)
-        if self._find_unused_parameters and optimizer is not None:
-            check_find_unused_supported(zero_stage(ds_config))
         resume_from = self._resume_path() if optimizer is not None else None
         if resume_from is not None:
             meta = check_checkpoint(resume_from)  # refuse a bad checkpoint before any work

@@ -7,8 +7,7 @@ Each scenario is a JSON dict ``{"name": ..., "mode": "train" | "test",
 again; mode ``"plain"`` trains with MMEngine's own Runner and DDP with
 ``find_unused_parameters=True``, the reference for parity) with optional ``"work_dir"`` (default
 ``OUT_DIR/NAME``), ``"unmark"`` (a checkpoint whose COMPLETE marker rank 0
-deletes first, as if its save had been killed) and ``"expect_error"`` (training
-raises on every rank at the same point; the message is saved) and
+deletes first, as if its save had been killed) and
 ``"kill_rank1_at_iter"``
 (rank 1 SIGKILLs itself in the middle of the save taken at that iteration:
 after DeepSpeed wrote its shards, before the marker). Scenarios run one after
@@ -94,13 +93,7 @@ def run(out_dir: str, scenario: dict) -> None:
         with torch.no_grad():
             result['probe_logits'] = runner.model(probe_inputs()).float().cpu()
     else:
-        try:
-            runner.train()
-        except RuntimeError as e:
-            if 'expect_error' not in scenario:
-                raise
-            torch.save({'error': str(e)}, osp.join(out_dir, f'{name}.rank{runner.rank}.pt'))
-            return
+        runner.train()
         rec = recorder(runner)
         hub = runner.message_hub
         result.update(
