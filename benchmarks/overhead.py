@@ -162,7 +162,7 @@ def main() -> None:
     if args.unused:
         print('\n' + unused_table(models, results))
         print('\ncheck: the default runner\'s per-iteration test that all ranks used the same '
-              'parameters (a walk of the autograd graph and one small all-reduce); '
+              'parameters (a walk of the autograd graph; one all-reduce in the first iteration only); '
               'find_unused: gradients through one node so skipped parameters get zeros.')
     if profiles:
         print('\n' + profile_table(profiles))
