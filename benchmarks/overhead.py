@@ -162,8 +162,8 @@ def main() -> None:
     if args.unused:
         print('\n' + unused_table(models, results))
         print('\ncheck: the default runner\'s per-iteration test that all ranks used the same '
-              'parameters (a walk of the autograd graph; one all-reduce in the first iteration only); '
-              'find_unused: gradients through one node so skipped parameters get zeros.')
+              'parameters (a walk of the autograd graph; one all-reduce in the first iteration '
+              'only); find_unused: gradients through one node so skipped parameters get zeros.')
     if profiles:
         print('\n' + profile_table(profiles))
         print('\nOwn time: time in each package\'s functions themselves, callees excluded; '

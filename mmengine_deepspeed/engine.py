@@ -8,14 +8,13 @@ the engine's bookkeeping see every step. Nothing is patched onto the engine.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import Any, Optional, Union
 
 import deepspeed
 import torch
 from deepspeed import DeepSpeedEngine
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from mmengine.model import BaseDataPreprocessor, BaseModel
 from mmengine.optim import OptimWrapper
 from mmengine.registry import MODEL_WRAPPERS
@@ -54,24 +53,6 @@ def cast_floating(data: Any, dtype: torch.dtype) -> Any:
     return data
 
 
-def gather_persistent(params: Iterable[nn.Parameter]) -> None:
-    """All-gather the released ZeRO-3 parameters DeepSpeed keeps whole once gathered.
-
-    Collective: every rank passes the same parameters. DeepSpeed gathers its
-    persistent (small) parameters the same way after each optimizer step,
-    with the parameters' own ``all_gather`` (no public API gathers without
-    releasing afterwards); tests/dist/test_patterns.py covers it.
-
-    Args:
-        params (Iterable[nn.Parameter]): Parameters; those not ZeRO-3
-            persistent, or already whole, are skipped.
-    """
-    released = [p for p in params if getattr(p, 'ds_persist', False)
-                and getattr(p, 'ds_status', None) == ZeroParamStatus.NOT_AVAILABLE]
-    if released:
-        released[0].all_gather(param_list=released)  # type: ignore[attr-defined]
-
-
 @contextmanager
 def gathered(module: nn.Module, modify: bool = False) -> Iterator[None]:
     """Full parameters inside the block (a no-op unless ZeRO-3 partitions them).
@@ -82,10 +63,6 @@ def gathered(module: nn.Module, modify: bool = False) -> Iterator[None]:
             values are then re-partitioned to every rank. Defaults to False.
     """
     params = list(module.parameters())
-    # ZeRO-3 keeps small parameters whole once gathered; GatheredParameters
-    # releases them on leaving, so they are gathered back (every rank holds
-    # the same ones): a forward never has to gather them on some ranks only.
-    whole = [p for p in params if getattr(p, 'ds_status', None) == ZeroParamStatus.AVAILABLE]
     # The ExitStack closes after GatheredParameters, which broadcasts a
     # modified ZeRO-3 parameter on leaving: 0-dim ones are 1-dim just for
     # that (see scalars.py).
@@ -96,7 +73,6 @@ def gathered(module: nn.Module, modify: bool = False) -> Iterator[None]:
         finally:
             if modify:
                 after_exit.enter_context(broadcastable(params))
-    gather_persistent(whole)
 
 
 def _overrides(module: nn.Module, method: str) -> bool:

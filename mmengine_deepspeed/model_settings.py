@@ -6,8 +6,6 @@ user left it to DeepSpeed, and an explicit value is always kept.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -66,51 +64,7 @@ def fit_reduce_bucket(ds_config: dict, model: nn.Module) -> None:
     zero['reduce_bucket_size'] = max(1, min(DEEPSPEED_REDUCE_BUCKET, trainable))
 
 
-PERSISTENCE_KEY = 'stage3_param_persistence_threshold'
-
-
-def persist_for_unused(ds_config: dict, model: nn.Module) -> Optional[str]:
-    """Under ZeRO-3 with ``find_unused_parameters``, keep every parameter whole.
-
-    ZeRO-3 gathers a partitioned parameter (a collective) when its module
-    runs; a module that only some ranks run would gather on those ranks
-    alone and stall them all. Parameters of at most
-    ``stage3_param_persistence_threshold`` elements stay whole once gathered,
-    so the threshold becomes the largest parameter: parameters are whole on
-    every rank (as under ZeRO-2), gradients and optimizer states stay
-    partitioned. An explicit threshold is kept.
-
-    Args:
-        ds_config (dict): The resolved config, updated in place.
-        model (nn.Module): The model about to be wrapped.
-
-    Returns:
-        str, optional: A line for the log, or None below ZeRO-3.
-    """
-    zero = ds_config.get('zero_optimization')
-    if zero_stage(ds_config) != 3 or not isinstance(zero, dict):
-        return None
-    largest = max((p.numel() for p in model.parameters()), default=0)
-    explicit = zero.get(PERSISTENCE_KEY, zero.get('param_persistence_threshold'))
-    if explicit is not None:
-        return None if explicit >= largest else (
-            f'find_unused_parameters under ZeRO-3: zero_optimization.{PERSISTENCE_KEY}='
-            f'{explicit} is below the largest parameter ({largest} elements); a module whose '
-            'parameters exceed it and that only some ranks run stalls every rank. Remove the '
-            'key to keep all parameters whole.')
-    zero[PERSISTENCE_KEY] = largest
-    return (f'find_unused_parameters under ZeRO-3: parameters are kept whole on every rank '
-            f'(zero_optimization.{PERSISTENCE_KEY}={largest}), so that ranks may skip modules; '
-            'gradients and optimizer states stay partitioned.')
-
-
-def fit_to_model(ds_config: dict, model: nn.Module, find_unused_parameters: bool) -> list[str]:
-    """Every model-dependent setting above, applied to ``ds_config`` in place.
-
-    Returns:
-        list[str]: Lines for the log about what was set for this model.
-    """
+def fit_to_model(ds_config: dict, model: nn.Module) -> None:
+    """Every model-dependent setting above, applied to ``ds_config`` in place."""
     match_norm_buffers(ds_config, model)
     fit_reduce_bucket(ds_config, model)
-    note = persist_for_unused(ds_config, model) if find_unused_parameters else None
-    return [note] if note else []

@@ -52,11 +52,12 @@ from .config import (
 )
 from .dist import cuda_available, init_distributed, native_bf16, quiet_deepspeed
 from .ema import DeepSpeedEMAHook
-from .engine import DeepSpeedEngineWrapper, gather_persistent, gathered
+from .engine import DeepSpeedEngineWrapper, gathered
 from .model_settings import fit_to_model
 from .monitor import ThroughputHook, banner, precision_note
 from .optim_wrapper import DeepSpeedOptimWrapper
 from .scalars import engine_config, initializable
+from .unused import zero3_refusal
 
 # torch optimizers that update each element from its own gradient and state
 # only, and therefore behave the same on ZeRO's flattened partitions. DeepSpeed
@@ -286,6 +287,10 @@ class DeepSpeedRunner(Runner):
                 'The DeepSpeed engine was already built without an optimizer by val()/test(); '
                 'call train() first, or build a new runner for training.')
         ds_config = self._resolve_ds_config(world_size=self.world_size)
+        refusal = zero3_refusal(zero_stage(ds_config))
+        if self._find_unused_parameters and optimizer is not None and refusal is not None:
+            self.logger.warning(refusal)
+            self._find_unused_parameters = False
         if optimizer is None and zero_stage(ds_config) in (1, 2):
             # ZeRO-1/2 partition optimizer states and gradients only, and
             # DeepSpeed refuses them without an optimizer; the weights of an
@@ -303,9 +308,7 @@ class DeepSpeedRunner(Runner):
         for hook in self.hooks:
             if isinstance(hook, DeepSpeedEMAHook):
                 hook.take_template(model)  # full fp32 weights, before partitioning
-        find_unused = self._find_unused_parameters and optimizer is not None
-        for note in fit_to_model(ds_config, model, find_unused):
-            self.logger.info(note)
+        fit_to_model(ds_config, model)
         resume_from = self._resume_path() if optimizer is not None else None
         if resume_from is not None:
             meta = check_checkpoint(resume_from)  # refuse a bad checkpoint before any work
@@ -316,16 +319,14 @@ class DeepSpeedRunner(Runner):
         with initializable(model, zero3=zero_stage(ds_config) == 3):
             engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                               config=engine_config(ds_config, model))
-        if find_unused:  # persistent: gathered at each step, and now before the first
-            gather_persistent(engine.module.parameters())
         self.ds_config = ds_config
         self.engines[ENGINE_KEY] = engine
         self.model = DeepSpeedEngineWrapper(engine, CAST_DTYPES[precision(ds_config)])
         self.logger.info(banner(ds_config, self.world_size, engine.module, optimizer is not None))
-        warning = precision_note(bf16_request(self._ds_config_source, self._config_dir),
-                                 precision(ds_config), cuda_available())
-        if warning is not None:
-            self.logger.warning(warning)
+        note = precision_note(bf16_request(self._ds_config_source, self._config_dir),
+                              precision(ds_config), cuda_available())
+        if note is not None:
+            self.logger.warning(note)
         return engine
 
     def _ensure_engine(self) -> None:

@@ -15,9 +15,8 @@ following here:
   skipped) and returns them all at once, so autograd accumulates them, and
   DeepSpeed's hooks reduce them, in an order that depends only on the
   parameter list: the same on every rank. That is DDP's math, the average
-  over all ranks with zeros from those that skipped. Under ZeRO-3 every
-  parameter is kept whole on every rank (model_settings.py), since a
-  module that only some ranks run could not gather its partitions.
+  over all ranks with zeros from those that skipped (ZeRO 0-2; see
+  :func:`zero3_refusal`).
 
 Without the switch, on more than one rank, every backward compares the
 trainable parameters the loss reaches (a walk of the autograd graph) with
@@ -28,7 +27,7 @@ instead of DeepSpeed's reduction aborting or hanging (:class:`UsedParameters`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -175,3 +174,24 @@ def with_every_parameter(loss: torch.Tensor, params: Sequence[nn.Parameter],
     if not params:
         return loss
     return _AllGradients.apply([loss, list(params), retain_graph], *params)
+
+
+def zero3_refusal(stage: int) -> Optional[str]:
+    """Why ``find_unused_parameters`` cannot be honoured at ``stage``, or None.
+
+    ZeRO-3 gathers a module's partitioned parameters (a collective) when the
+    module runs and gives a gradient the full shape only while they are
+    gathered, so a module that one rank skips cannot get its zero gradient
+    there without a collective the other ranks are not in. Many OpenMMLab
+    configs set the switch by default, so the runner warns and checks instead
+    of refusing.
+
+    Args:
+        stage (int): The ZeRO stage of the engine about to be built.
+    """
+    if stage != 3:
+        return None
+    return (f'{SWITCH} cannot be honoured under ZeRO-3 (a module that only some ranks run '
+            'leaves the others out of the gather of its parameters); every rank must use the '
+            'same parameters in each iteration, which is checked. For models that skip '
+            'parameters, use zero_optimization.stage=2 (with offload_optimizer for memory).')
