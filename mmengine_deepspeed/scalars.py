@@ -87,8 +87,6 @@ def initializable(model: nn.Module, zero3: bool) -> Iterator[None]:
             yield
         for param in scalars:
             param.ds_shape = SCALAR_SHAPE  # type: ignore[attr-defined]
-            if param.data.numel() == 1:  # persistent (small) parameters stay whole
-                param.data = param.data.view(SCALAR_SHAPE)
         return
     device = deepspeed.get_accelerator().current_device_name()
     for param in scalars:
