@@ -57,7 +57,7 @@ from .model_settings import fit_to_model
 from .monitor import ThroughputHook, banner, precision_note
 from .optim_wrapper import DeepSpeedOptimWrapper
 from .scalars import engine_config, initializable
-from .unused import zero3_refusal
+from .unused import zero3_unsupported
 
 # torch optimizers that update each element from its own gradient and state
 # only, and therefore behave the same on ZeRO's flattened partitions. DeepSpeed
@@ -287,9 +287,9 @@ class DeepSpeedRunner(Runner):
                 'The DeepSpeed engine was already built without an optimizer by val()/test(); '
                 'call train() first, or build a new runner for training.')
         ds_config = self._resolve_ds_config(world_size=self.world_size)
-        refusal = zero3_refusal(zero_stage(ds_config))
-        if self._find_unused_parameters and optimizer is not None and refusal is not None:
-            self.logger.warning(refusal)
+        unsupported = zero3_unsupported(zero_stage(ds_config))
+        if self._find_unused_parameters and optimizer is not None and unsupported is not None:
+            self.logger.warning(unsupported)
             self._find_unused_parameters = False
         if optimizer is None and zero_stage(ds_config) in (1, 2):
             # ZeRO-1/2 partition optimizer states and gradients only, and

@@ -16,7 +16,7 @@ following here:
   DeepSpeed's hooks reduce them, in an order that depends only on the
   parameter list: the same on every rank. That is DDP's math, the average
   over all ranks with zeros from those that skipped (ZeRO 0-2; see
-  :func:`zero3_refusal`).
+  :func:`zero3_unsupported`).
 
 Without the switch, on more than one rank, every backward compares the
 trainable parameters the loss reaches (a walk of the autograd graph) with
@@ -176,7 +176,7 @@ def with_every_parameter(loss: torch.Tensor, params: Sequence[nn.Parameter],
     return _AllGradients.apply([loss, list(params), retain_graph], *params)
 
 
-def zero3_refusal(stage: int) -> Optional[str]:
+def zero3_unsupported(stage: int) -> Optional[str]:
     """Why ``find_unused_parameters`` cannot be honoured at ``stage``, or None.
 
     ZeRO-3 gathers a module's partitioned parameters (a collective) when the
