@@ -75,7 +75,7 @@ def gathered(module: nn.Module, modify: bool = False) -> Iterator[None]:
                 after_exit.enter_context(broadcastable(params))
 
 
-def _overrides(module: nn.Module, method: str) -> bool:
+def overrides(module: nn.Module, method: str) -> bool:
     """Whether ``module`` replaces BaseModel's ``method`` with its own."""
     if not isinstance(module, BaseModel):
         return True
@@ -84,27 +84,39 @@ def _overrides(module: nn.Module, method: str) -> bool:
 
 @MODEL_WRAPPERS.register_module()
 class DeepSpeedEngineWrapper(nn.Module):
-    """Wraps a DeepSpeed engine so MMEngine's loops and hooks can drive it.
+    """Wraps the DeepSpeed engine(s) so MMEngine's loops and hooks can drive them.
 
     Args:
         engine (DeepSpeedEngine): The engine built around the user's model.
         cast_dtype (torch.dtype, optional): Dtype floating inputs are cast to
             before the forward pass (bf16/fp16 training); None keeps them.
             Defaults to None.
+        model (nn.Module, optional): For a model with several optimizers, the
+            whole model, of which each engine (``engines``) holds one
+            submodule; its own ``train_step`` calls them. None: ``engine``
+            holds the whole model. Defaults to None.
+        engines (Mapping[str, DeepSpeedEngine], optional): With ``model``,
+            every engine by name. Defaults to None.
     """
 
-    def __init__(self, engine: DeepSpeedEngine, cast_dtype: Optional[torch.dtype] = None):
+    def __init__(self, engine: DeepSpeedEngine, cast_dtype: Optional[torch.dtype] = None,
+                 model: Optional[nn.Module] = None,
+                 engines: Optional[Mapping[str, DeepSpeedEngine]] = None):
         super().__init__()
         self.engine = engine
+        self.engines = dict(engines or {'model': engine})
         self.cast_dtype = cast_dtype
-        preprocessor = getattr(engine.module, 'data_preprocessor', None)
+        # Not a submodule: the engines own the parameters (and ZeRO-3 hooks).
+        self.__dict__['_whole_model'] = model
+        preprocessor = getattr(self.module, 'data_preprocessor', None)
         if isinstance(preprocessor, BaseDataPreprocessor) and preprocessor.device != engine.device:
             preprocessor.to(engine.device)
 
     @property
     def module(self) -> nn.Module:
         """The user's model, for hooks and for code written for DDP."""
-        return self.engine.module
+        whole = self.__dict__['_whole_model']
+        return whole if whole is not None else self.engine.module
 
     def train_step(self, data: Data, optim_wrapper: OptimWrapper) -> dict[str, torch.Tensor]:
         """Preprocess, forward in ``'loss'`` mode, parse losses, update.
@@ -120,8 +132,14 @@ class DeepSpeedEngineWrapper(nn.Module):
             dict[str, torch.Tensor]: Log variables from ``parse_losses``.
         """
         module = self.module
-        if _overrides(module, 'train_step'):
+        if overrides(module, 'train_step'):
             return getattr(module, 'train_step')(data, optim_wrapper)  # noqa: B009
+        if len(self.engines) > 1:
+            raise TypeError(
+                f'{type(module).__name__} has several optimizers ({", ".join(self.engines)}) '
+                'but no train_step of its own: BaseModel.train_step steps one optimizer. Override '
+                "train_step and step each wrapper (optim_wrapper['generator'].update_params(...)), "
+                "as in MMEngine's GAN example.")
         assert isinstance(module, BaseModel)
         with optim_wrapper.optim_context(self):
             batch = module.data_preprocessor(data, True)
@@ -140,7 +158,7 @@ class DeepSpeedEngineWrapper(nn.Module):
 
     def _predict(self, data: Data, method: str) -> list:
         module = self.module
-        if _overrides(module, method):
+        if overrides(module, method):
             return getattr(module, method)(data)
         assert isinstance(module, BaseModel)
         batch = module.data_preprocessor(data, False)
@@ -149,10 +167,12 @@ class DeepSpeedEngineWrapper(nn.Module):
     def _run_forward(self, batch: Data, mode: str) -> Any:
         if self.cast_dtype is not None:
             batch = cast_floating(batch, self.cast_dtype)
+        # Several engines: the submodules are called (and cast) by the model.
+        forward = self.engine if len(self.engines) == 1 else self.module
         if isinstance(batch, Mapping):
-            return self.engine(**batch, mode=mode)
+            return forward(**batch, mode=mode)
         if isinstance(batch, (list, tuple)):
-            return self.engine(*batch, mode=mode)
+            return forward(*batch, mode=mode)
         raise TypeError(
             f'The data_preprocessor must return a dict, tuple or list, got {type(batch)}.')
 
@@ -163,4 +183,4 @@ class DeepSpeedEngineWrapper(nn.Module):
         """
         if self.cast_dtype is not None:
             args, kwargs = cast_floating((args, kwargs), self.cast_dtype)
-        return self.engine(*args, **kwargs)
+        return (self.engine if len(self.engines) == 1 else self.module)(*args, **kwargs)

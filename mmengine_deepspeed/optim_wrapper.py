@@ -30,6 +30,7 @@ from mmengine.registry import OPTIM_WRAPPERS
 from torch import nn
 from torch.optim import Optimizer
 
+from .engines import begin_backward_at
 from .unused import UsedParameters, with_every_parameter
 
 
@@ -58,12 +59,24 @@ class DeepSpeedOptimWrapper(OptimWrapper):
             in an iteration (DDP's option of that name; see ``unused.py``).
             Without it, such an iteration on several ranks raises.
             Defaults to False.
+        name (str, optional): The key of this wrapper in an
+            ``OptimWrapperDict`` (a model with several optimizers); its grad
+            norm and loss scale are logged as ``train/<name>.grad_norm``,
+            next to MMEngine's ``<name>.lr``. Defaults to None.
+        forward_through_engine (bool): Whether the losses come from
+            ``engine.forward``; False when the model calls its (sub)modules
+            itself (its own ``train_step``, several engines), and the engine's
+            backward is then started here (see ``engines.begin_backward_at``).
+            Defaults to True.
     """
 
     def __init__(self, engine: DeepSpeedEngine, optimizer: Optimizer,
                  accumulative_counts: int = 1, clip_max_norm: float = 0.0,
-                 find_unused_parameters: bool = False):
+                 find_unused_parameters: bool = False, name: Optional[str] = None,
+                 forward_through_engine: bool = True):
         super().__init__(optimizer, accumulative_counts=accumulative_counts)
+        self.forward_through_engine = forward_through_engine
+        self._log_prefix = f'train/{name}.' if name else 'train/'
         self.engine = engine
         self.clip_max_norm = clip_max_norm
         self.find_unused_parameters = find_unused_parameters
@@ -109,6 +122,8 @@ class DeepSpeedOptimWrapper(OptimWrapper):
             loss = with_every_parameter(loss, [p for _, p in self._trainable()], retain_graph)
         elif dist.is_initialized() and dist.get_world_size() > 1:
             self._used_parameters.check(loss, self._trainable())
+        if not self.forward_through_engine:
+            loss = begin_backward_at(loss, self.engine)
         self.engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
         self._inner_count += 1
 
@@ -131,11 +146,11 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         if norm is None:
             norm = fallback_norm
         if norm is not None:
-            self.message_hub.update_scalar('train/grad_norm', float(norm))
+            self.message_hub.update_scalar(f'{self._log_prefix}grad_norm', float(norm))
         if self.engine.fp16_enabled():
-            self.message_hub.update_scalar('train/loss_scale',
+            self.message_hub.update_scalar(f'{self._log_prefix}loss_scale',
                                            float(self.engine.optimizer.loss_scale))
-            self.message_hub.update_scalar('train/skipped_steps',
+            self.message_hub.update_scalar(f'{self._log_prefix}skipped_steps',
                                            float(self.engine.skipped_steps))
 
     def _norm_if_engine_does_not(self) -> Optional[float]:

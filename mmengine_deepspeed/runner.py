@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import inspect
 import os.path as osp
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any, Optional, Union
 
 import deepspeed
 import torch
+from deepspeed.accelerator import get_accelerator
 from mmengine.config import Config
 from mmengine.hooks import CheckpointHook, EMAHook
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper, revert_sync_batchnorm
@@ -35,16 +36,14 @@ from mmengine.registry import RUNNERS
 from mmengine.runner import EpochBasedTrainLoop, Runner
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader
 
 from .checkpoint import io as ckpt_io
 from .checkpoint.hook import DeepSpeedCheckpointHook  # noqa: F401  registers it
-from .checkpoint.layout import check_checkpoint, find_latest_complete
+from .checkpoint.layout import SINGLE_ENGINE, check_checkpoint, find_latest_complete
 from .checkpoint.loop import ResumableEpochBasedTrainLoop  # noqa: F401  registers it
 from .checkpoint.reshard import Layout, check_reshardable, needs_universal
 from .config import (
     DsConfigSource,
-    MMEngineSide,
     bf16_request,
     precision,
     resolve_ds_config,
@@ -52,75 +51,20 @@ from .config import (
 )
 from .dist import cuda_available, init_distributed, native_bf16, quiet_deepspeed
 from .ema import DeepSpeedEMAHook
-from .engine import DeepSpeedEngineWrapper, gathered
-from .model_settings import fit_to_model
+from .engine import DeepSpeedEngineWrapper, gathered, overrides
+from .engines import (
+    as_plain_wrappers,
+    build_engine,
+    cast_inputs,
+    mmengine_sides,
+    named_optimizers,
+    owned_submodules,
+)
 from .monitor import ThroughputHook, banner, precision_note
 from .optim_wrapper import DeepSpeedOptimWrapper
-from .scalars import engine_config, initializable
 from .unused import zero3_unsupported
 
-# torch optimizers that update each element from its own gradient and state
-# only, and therefore behave the same on ZeRO's flattened partitions. DeepSpeed
-# asks for ``zero_allow_untested_optimizer`` for all but Adam(W)/Adagrad; for
-# these we set it, for anything else (LARS, LAMB, Shampoo...) the user decides.
-ELEMENTWISE_OPTIMIZERS = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
-    torch.optim.Adadelta, torch.optim.Adamax, torch.optim.RMSprop, torch.optim.NAdam,
-    torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop,
-)
-
 CAST_DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': None}
-
-
-ENGINE_KEY = 'model'
-
-
-def _batch_size(dataloader: Any) -> Optional[int]:
-    if isinstance(dataloader, DataLoader):
-        return dataloader.batch_size
-    if isinstance(dataloader, dict):
-        return dataloader.get('batch_size')
-    return None
-
-
-def mmengine_side(train_dataloader: Any, optim_wrapper: Any,
-                  param_scheduler: Any) -> MMEngineSide:
-    """What the MMEngine config says about batch, accumulation and clipping.
-
-    Args:
-        train_dataloader (DataLoader | dict | None): Runner argument.
-        optim_wrapper (OptimWrapper | dict | None): Runner argument.
-        param_scheduler (Any): Runner argument.
-
-    Returns:
-        MMEngineSide: The overlap with the ds_config.
-    """
-    if isinstance(optim_wrapper, OptimWrapperDict) or (
-            isinstance(optim_wrapper, dict) and optim_wrapper
-            and 'optimizer' not in optim_wrapper and 'constructor' not in optim_wrapper):
-        raise ValueError(
-            'optim_wrapper defines several optimizers (an OptimWrapperDict); DeepSpeedRunner '
-            'supports one optimizer for now. Merge them into one optim_wrapper with '
-            'paramwise_cfg, or train this model with MMEngine\'s Runner.')
-    if isinstance(optim_wrapper, OptimWrapper):
-        clip = optim_wrapper.clip_grad_kwargs
-        if clip and getattr(optim_wrapper, 'grad_name', 'grad_norm') == 'grad_value':
-            clip = dict(clip, type='value')
-        return MMEngineSide(
-            batch_size=_batch_size(train_dataloader),
-            accumulative_counts=optim_wrapper._accumulative_counts,
-            clip_grad=clip or None,
-            optim_wrapper_type=type(optim_wrapper).__name__,
-            has_optim_wrapper=True,
-            has_param_scheduler=param_scheduler is not None)
-    wrapper_cfg = optim_wrapper or {}
-    return MMEngineSide(
-        batch_size=_batch_size(train_dataloader),
-        accumulative_counts=wrapper_cfg.get('accumulative_counts'),
-        clip_grad=wrapper_cfg.get('clip_grad'),
-        optim_wrapper_type=wrapper_cfg.get('type'),
-        has_optim_wrapper=optim_wrapper is not None,
-        has_param_scheduler=param_scheduler is not None)
 
 
 @RUNNERS.register_module()
@@ -164,19 +108,22 @@ class DeepSpeedRunner(Runner):
         filename = getattr(cfg, 'filename', None)
         self._ds_config_source = ds_config
         self._config_dir = osp.dirname(osp.abspath(filename)) if filename else None
-        self._side = mmengine_side(arguments.get('train_dataloader'),
-                                   arguments.get('optim_wrapper'),
-                                   arguments.get('param_scheduler'))
+        self._sides = mmengine_sides(arguments.get('train_dataloader'),
+                                     arguments.get('optim_wrapper'),
+                                     arguments.get('param_scheduler'))
         # Refuse a bad ds_config before any process group or file exists.
-        self._resolve_ds_config(world_size=None)
+        for name in self._sides:
+            self._resolve_ds_config(name, world_size=None)
         self._weights_initialized = False
         self._resume_target: Optional[tuple[Optional[str]]] = None
         self.engines: dict[str, deepspeed.DeepSpeedEngine] = {}
+        self.engine_modules: dict[str, str] = {}
         self.ds_config: dict = {}
         super().__init__(*args, **kwargs)
 
-    def _resolve_ds_config(self, world_size: Optional[int]) -> dict:
-        return resolve_ds_config(self._ds_config_source, self._side, world_size=world_size,
+    def _resolve_ds_config(self, name: str, world_size: Optional[int]) -> dict:
+        side = self._sides.get(name, self._sides[next(iter(self._sides))])
+        return resolve_ds_config(self._ds_config_source, side, world_size=world_size,
                                  cuda_available=cuda_available(),
                                  config_dir=self._config_dir, native_bf16=native_bf16())
 
@@ -254,53 +201,65 @@ class DeepSpeedRunner(Runner):
     def build_optim_wrapper(
         self, optim_wrapper: Union[Optimizer, OptimWrapper, dict]
     ) -> Union[OptimWrapper, OptimWrapperDict]:
-        """Build the optimizer with MMEngine, then the engine around it.
+        """Build the optimizer(s) with MMEngine, then one engine per optimizer.
 
         Args:
-            optim_wrapper (Optimizer | OptimWrapper | dict): The
-                ``optim_wrapper`` argument.
+            optim_wrapper (Optimizer | OptimWrapper | OptimWrapperDict | dict):
+                The ``optim_wrapper`` argument.
 
         Returns:
-            DeepSpeedOptimWrapper: The wrapper the train loop steps with.
+            DeepSpeedOptimWrapper | OptimWrapperDict: The wrapper the train
+            loop steps with, or one per optimizer by name.
         """
-        if isinstance(optim_wrapper, DeepSpeedOptimWrapper):
+        if isinstance(optim_wrapper, DeepSpeedOptimWrapper) or (
+                isinstance(optim_wrapper, OptimWrapperDict) and all(
+                    isinstance(w, DeepSpeedOptimWrapper) for w in optim_wrapper.values())):
             return optim_wrapper
         self._init_model_weights()
-        if isinstance(optim_wrapper, dict):
-            optim_wrapper = dict(optim_wrapper, type='OptimWrapper')
-        built = super().build_optim_wrapper(optim_wrapper)
-        if isinstance(built, OptimWrapperDict):
-            raise TypeError(
-                'The optim_wrapper constructor built several optimizers (an OptimWrapperDict); '
-                'DeepSpeedRunner supports one optimizer for now.')
-        engine = self._build_engine(built.optimizer)
-        return DeepSpeedOptimWrapper(
-            engine, built.optimizer,
-            accumulative_counts=self.ds_config['gradient_accumulation_steps'],
-            clip_max_norm=float(self.ds_config['gradient_clipping']),
-            find_unused_parameters=self._find_unused_parameters)
+        optimizers = named_optimizers(super().build_optim_wrapper(as_plain_wrappers(optim_wrapper)))
+        configs = self._build_engines(optimizers)
+        wrappers = {
+            name: DeepSpeedOptimWrapper(
+                self.engines[name], optimizer,
+                accumulative_counts=configs[name]['gradient_accumulation_steps'],
+                clip_max_norm=float(configs[name]['gradient_clipping']),
+                find_unused_parameters=self._find_unused_parameters,
+                name=None if name == SINGLE_ENGINE else name,
+                forward_through_engine=len(optimizers) == 1 and not overrides(
+                    self.bare_model, 'train_step'))
+            for name, optimizer in optimizers.items()}
+        if SINGLE_ENGINE in wrappers:
+            return wrappers[SINGLE_ENGINE]
+        return OptimWrapperDict(**wrappers)
 
-    def _build_engine(self, optimizer: Optional[Optimizer]) -> deepspeed.DeepSpeedEngine:
-        """``deepspeed.initialize`` on the bare model; ``runner.model`` becomes its wrapper."""
+    def _build_engines(self, optimizers: Mapping[str, Optional[Optimizer]]) -> dict[str, dict]:
+        """One engine per optimizer; ``runner.model`` becomes their wrapper.
+
+        Returns:
+            dict[str, dict]: The resolved ds_config of each engine.
+        """
         if self.engines:
             raise RuntimeError(
                 'The DeepSpeed engine was already built without an optimizer by val()/test(); '
                 'call train() first, or build a new runner for training.')
-        ds_config = self._resolve_ds_config(world_size=self.world_size)
-        unsupported = zero3_unsupported(zero_stage(ds_config))
-        if self._find_unused_parameters and optimizer is not None and unsupported is not None:
+        model = self.bare_model
+        modules = owned_submodules(model, optimizers)
+        configs = {name: self._resolve_ds_config(name, world_size=self.world_size)
+                   for name in optimizers}
+        stage = zero_stage(next(iter(configs.values())))
+        training = any(optimizer is not None for optimizer in optimizers.values())
+        unsupported = zero3_unsupported(stage)
+        if self._find_unused_parameters and training and unsupported is not None:
             self.logger.warning(unsupported)
             self._find_unused_parameters = False
-        if optimizer is None and zero_stage(ds_config) in (1, 2):
+        if not training and stage in (1, 2):
             # ZeRO-1/2 partition optimizer states and gradients only, and
             # DeepSpeed refuses them without an optimizer; the weights of an
             # evaluation engine are the same at stage 0.
-            self.logger.info(f'No optimizer (val/test only): ZeRO-{zero_stage(ds_config)} has '
-                             'nothing to partition, using ZeRO-0 for this engine.')
-            ds_config['zero_optimization']['stage'] = 0
-        if optimizer is not None and isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-            ds_config.setdefault('zero_allow_untested_optimizer', True)
-        model = self.bare_model
+            self.logger.info(f'No optimizer (val/test only): ZeRO-{stage} has nothing to '
+                             'partition, using ZeRO-0 for this engine.')
+            for ds_config in configs.values():
+                ds_config['zero_optimization']['stage'] = 0
         if self._load_from is not None and not self._resume and not self._has_loaded:
             # Into the bare model, so DeepSpeed partitions (and keeps fp32
             # masters of) the loaded weights.
@@ -308,30 +267,46 @@ class DeepSpeedRunner(Runner):
         for hook in self.hooks:
             if isinstance(hook, DeepSpeedEMAHook):
                 hook.take_template(model)  # full fp32 weights, before partitioning
-        fit_to_model(ds_config, model)
-        resume_from = self._resume_path() if optimizer is not None else None
+        resume_from = self._resume_path() if training else None
         if resume_from is not None:
             meta = check_checkpoint(resume_from)  # refuse a bad checkpoint before any work
             if needs_universal(Layout(meta['world_size'], meta['zero_stage']),
-                               Layout(self.world_size, zero_stage(ds_config)), resume_from):
-                check_reshardable(optimizer, resume_from)
-                ds_config.setdefault('checkpoint', {})['load_universal'] = True
-        with initializable(model, zero3=zero_stage(ds_config) == 3):
-            engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                              config=engine_config(ds_config, model))
-        self.ds_config = ds_config
-        self.engines[ENGINE_KEY] = engine
-        self.model = DeepSpeedEngineWrapper(engine, CAST_DTYPES[precision(ds_config)])
-        self.logger.info(banner(ds_config, self.world_size, engine.module, optimizer is not None))
+                               Layout(self.world_size, stage), resume_from):
+                for name, ds_config in configs.items():
+                    check_reshardable(optimizers[name], resume_from)
+                    ds_config.setdefault('checkpoint', {})['load_universal'] = True
+        cast_dtype = CAST_DTYPES[precision(configs[next(iter(configs))])]
+        if len(configs) > 1:
+            # Parameters in no optimizer (an EMA copy, frozen parts) join the
+            # engines' device; each engine moves its own submodule.
+            model.to(get_accelerator().current_device_name())
+        for name, ds_config in configs.items():
+            module = model.get_submodule(modules[name])
+            self.engines[name] = build_engine(module, optimizers[name], ds_config)
+        self.engine_modules = modules
+        self.ds_config = configs[next(iter(configs))]
+        first = next(iter(self.engines.values()))
+        if len(self.engines) == 1:
+            self.model = DeepSpeedEngineWrapper(first, cast_dtype)
+        else:
+            if cast_dtype is not None:
+                for engine in self.engines.values():
+                    cast_inputs(engine.module, cast_dtype)
+            self.model = DeepSpeedEngineWrapper(first, cast_dtype, model=model,
+                                                engines=self.engines)
+        self.logger.info(banner(self.ds_config, self.world_size, model, training))
+        if len(self.engines) > 1:
+            self.logger.info('One DeepSpeed engine per optimizer: ' + ', '.join(
+                f'{name} -> model.{path}' for name, path in modules.items()))
         note = precision_note(bf16_request(self._ds_config_source, self._config_dir),
-                              precision(ds_config), cuda_available())
+                              precision(self.ds_config), cuda_available())
         if note is not None:
             self.logger.warning(note)
-        return engine
+        return configs
 
     def _ensure_engine(self) -> None:
         if not self.engines:
-            self._build_engine(optimizer=None)
+            self._build_engines({SINGLE_ENGINE: None})
 
     def val(self) -> dict:
         """Validate; without prior training, through an engine without optimizer."""
@@ -380,7 +355,7 @@ class DeepSpeedRunner(Runner):
         Returns:
             dict: ``{'meta': ..., 'state_dict': ...}``.
         """
-        engine = self.engines.get(ENGINE_KEY)
+        engine = next(iter(self.engines.values()), None)
         if engine is not None and engine.client_optimizer is not None:
             raise RuntimeError(
                 f'load_checkpoint({filename!r}) after the training engine was built would not '

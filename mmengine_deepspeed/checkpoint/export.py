@@ -13,7 +13,15 @@ from typing import Any, Optional
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-from .layout import CLIENT_FILE, DS_TAG, CheckpointError, check_checkpoint, shard_files
+from .layout import (
+    CLIENT_FILE,
+    OUTSIDE_ENGINES_KEY,
+    CheckpointError,
+    check_checkpoint,
+    engine_modules,
+    engine_tag,
+    shard_files,
+)
 from .safe_load import check_pickles, safe_load
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
@@ -22,6 +30,10 @@ ZERO0_MODEL_FILE = 'mp_rank_00_model_states.pt'
 
 def consolidated_state_dict(path: str, allow_unsafe: bool = False) -> dict[str, torch.Tensor]:
     """The full model state dict (parameters and buffers) of checkpoint ``path``.
+
+    A model with several engines (one per optimizer) gets each engine's
+    state under its submodule's prefix, plus the parameters and buffers no
+    engine holds (an EMA copy, a frozen encoder) from the client state.
 
     Args:
         path (str): A complete checkpoint directory.
@@ -32,11 +44,25 @@ def consolidated_state_dict(path: str, allow_unsafe: bool = False) -> dict[str, 
     """
     meta = check_checkpoint(path)
     check_pickles(shard_files(path), allow_unsafe)
-    if meta['zero_stage'] == 0:
-        module = safe_load(osp.join(path, DS_TAG, ZERO0_MODEL_FILE), allow_unsafe)['module']
+    modules = engine_modules(meta)
+    state: dict[str, torch.Tensor] = {}
+    for name, module_path in modules.items():
+        prefix = f'{module_path}.' if module_path else ''
+        for key, value in _engine_state_dict(path, engine_tag(name), meta['zero_stage'],
+                                             allow_unsafe).items():
+            state[prefix + key] = value
+    if len(modules) > 1:
+        client = safe_load(osp.join(path, CLIENT_FILE), allow_unsafe)
+        state.update(client.get(OUTSIDE_ENGINES_KEY, {}))
+    return state
+
+
+def _engine_state_dict(path: str, tag: str, stage: int,
+                       allow_unsafe: bool) -> dict[str, torch.Tensor]:
+    if stage == 0:
+        module = safe_load(osp.join(path, tag, ZERO0_MODEL_FILE), allow_unsafe)['module']
         return {k: v.detach().cpu() for k, v in module.items()}
-    state = get_fp32_state_dict_from_zero_checkpoint(path, tag=DS_TAG)
-    return dict(state)
+    return dict(get_fp32_state_dict_from_zero_checkpoint(path, tag=tag))
 
 
 def cast_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype, standalone: bool,

@@ -17,17 +17,28 @@ from typing import Any
 import deepspeed
 import mmengine
 import torch
+from mmengine.optim import OptimWrapperDict
 from mmengine.runner import EpochBasedTrainLoop
 from torch import nn
 
 from ..config import precision, zero_stage
 from ..version import __version__
 from .export import consolidated_state_dict
-from .layout import CLIENT_FILE, DS_TAG, RANK_FILE, CheckpointError, check_checkpoint, shard_files
+from .layout import (
+    CLIENT_FILE,
+    OUTSIDE_ENGINES_KEY,
+    RANK_FILE,
+    SINGLE_ENGINE,
+    CheckpointError,
+    check_checkpoint,
+    engine_modules,
+    engine_tag,
+    shard_files,
+)
 from .reshard import Layout, convert, needs_universal
 from .safe_load import check_pickles, safe_load
 from .save import save_checkpoint_dir
-from .state import hub_state, load_hub_state, load_rank_state, plain
+from .state import hub_state, load_hub_state, load_rank_state, outside_engines, plain
 
 
 def run_facts(runner: Any, epoch: int, iteration: int) -> dict[str, Any]:
@@ -40,54 +51,89 @@ def run_facts(runner: Any, epoch: int, iteration: int) -> dict[str, Any]:
                       torch=str(torch.__version__), mmengine_deepspeed=__version__))
 
 
+def named_wrappers(optim_wrapper: Any) -> dict[str, Any]:
+    """The runner's optim wrappers by engine name (one, or an OptimWrapperDict's)."""
+    if isinstance(optim_wrapper, OptimWrapperDict):
+        return dict(optim_wrapper.optim_wrappers)
+    return {SINGLE_ENGINE: optim_wrapper}
+
+
+def _labelled(schedulers: Any) -> list[tuple[str, Any]]:
+    """Param schedulers (or their states) as MMEngine holds them: a list, or lists by key."""
+    if isinstance(schedulers, dict):
+        return [(f'[{name!r}][{i}]', s) for name, group in schedulers.items()
+                for i, s in enumerate(group)]
+    return [(f'[{i}]', s) for i, s in enumerate(schedulers)]
+
+
 def save(runner: Any, path: str, meta: dict[str, Any], save_param_scheduler: bool) -> None:
-    """Save the runner's engine and state into directory ``path`` (collective)."""
+    """Save the runner's engines and state into directory ``path`` (collective)."""
     facts = run_facts(runner, meta['epoch'], meta['iter'])
+    if len(runner.engines) > 1:
+        facts['engines'] = dict(runner.engine_modules)
     dataset = getattr(runner.train_dataloader, 'dataset', None)
     client: dict[str, Any] = {
         'meta': dict(meta, **facts, cfg=runner.cfg.pretty_text,
                      dataset_meta=plain(getattr(dataset, 'metainfo', None))),
         'message_hub': hub_state(runner.message_hub),
     }
-    # Hyper-parameters (lr, momentum...) of the optimizer's groups: restored
+    # Hyper-parameters (lr, momentum...) of each optimizer's groups: restored
     # on resume whatever path DeepSpeed loads the optimizer states through.
-    client['optimizer_param_groups'] = [
-        {k: v for k, v in group.items() if k != 'params'}
-        for group in runner.optim_wrapper.optimizer.param_groups]
+    client['optimizer_param_groups'] = {
+        name: [{k: v for k, v in group.items() if k != 'params'}
+               for group in wrapper.optimizer.param_groups]
+        for name, wrapper in named_wrappers(runner.optim_wrapper).items()}
     if save_param_scheduler and runner.param_schedulers:
-        client['param_schedulers'] = [s.state_dict() for s in runner.param_schedulers]
+        schedulers = runner.param_schedulers
+        client['param_schedulers'] = (
+            {name: [s.state_dict() for s in group] for name, group in schedulers.items()}
+            if isinstance(schedulers, dict) else [s.state_dict() for s in schedulers])
+    if len(runner.engines) > 1:
+        client[OUTSIDE_ENGINES_KEY] = outside_engines(runner.bare_model, runner.engine_modules)
     runner.call_hook('before_save_checkpoint', checkpoint=client)
-    save_checkpoint_dir(path, runner.engines['model'], plain(client), facts)
+    save_checkpoint_dir(path, runner.engines, runner.bare_model, plain(client), facts)
 
 
 def resume(runner: Any, path: str, allow_unsafe: bool) -> dict[str, Any]:
-    """Restore engine, loop position, schedulers, hub, RNG, buffers and hooks from ``path``.
+    """Restore engines, loop position, schedulers, hub, RNG, buffers and hooks from ``path``.
 
     Returns:
         dict: The checkpoint's client state (as hooks saw it when saving).
     """
     meta = check_checkpoint(path)
+    saved_modules = engine_modules(meta)
+    if saved_modules != dict(runner.engine_modules):
+        raise CheckpointError(
+            f'{path!r} holds the engines {saved_modules} ({{name: submodule}}); this run builds '
+            f'{dict(runner.engine_modules)}. Resume with the optim_wrapper keys the checkpoint '
+            'was trained with, or start from its weights with load_from and resume=False.')
     saved = Layout(meta['world_size'], meta['zero_stage'])
     current = Layout(runner.world_size, zero_stage(runner.ds_config))
     universal = needs_universal(saved, current, path)
     check_pickles([*shard_files(path), osp.join(path, CLIENT_FILE)], allow_unsafe)
     client = safe_load(osp.join(path, CLIENT_FILE), allow_unsafe)
-    engine = runner.engines['model']
-    tag = DS_TAG
     if universal:
         runner.logger.info(f'Resharding {path}: {saved} -> {current}, through a DeepSpeed '
                            'universal checkpoint (converted once, kept beside it).')
-        tag = convert(path, current.zero_stage)
     elif saved != current:
         runner.logger.info(f'Resuming {path} ({saved}) on {current}: ZeRO-0 state is whole.')
-    load_path, _ = engine.load_checkpoint(path, tag=tag, load_module_strict=True,
-                                          load_optimizer_states=True,
-                                          load_lr_scheduler_states=False)
-    if load_path is None:
-        raise CheckpointError(f'DeepSpeed could not load {osp.join(path, tag)}.')
-    for group, hyper in zip(runner.optim_wrapper.optimizer.param_groups,
-                            client.get('optimizer_param_groups', [])):
-        group.update(hyper)
+    for name, engine in runner.engines.items():
+        tag = engine_tag(name)
+        if universal:
+            tag = convert(path, tag, current.zero_stage)
+        load_path, _ = engine.load_checkpoint(path, tag=tag, load_module_strict=True,
+                                              load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
+        if load_path is None:
+            raise CheckpointError(f'DeepSpeed could not load {osp.join(path, tag)}.')
+    groups = client.get('optimizer_param_groups', {})
+    if isinstance(groups, list):  # format 1: one optimizer
+        groups = {SINGLE_ENGINE: groups}
+    for name, wrapper in named_wrappers(runner.optim_wrapper).items():
+        for group, hyper in zip(wrapper.optimizer.param_groups, groups.get(name, [])):
+            group.update(hyper)
+    if OUTSIDE_ENGINES_KEY in client:
+        runner.bare_model.load_state_dict(client[OUTSIDE_ENGINES_KEY], strict=False)
     ckpt_meta = client['meta']
     runner.train_loop._epoch = ckpt_meta['epoch']
     runner.train_loop._iter = ckpt_meta['iter']
@@ -97,20 +143,21 @@ def resume(runner: Any, path: str, allow_unsafe: bool) -> dict[str, Any]:
             runner.logger.info(f'Resuming inside epoch {ckpt_meta["epoch"] + 1}: skipping the '
                                f'{skipped} batches already trained on.')
     load_hub_state(runner.message_hub, client['message_hub'])
-    schedulers = client.get('param_schedulers')
-    if schedulers is not None and runner.param_schedulers:
-        for index, (scheduler, state) in enumerate(zip(runner.param_schedulers, schedulers)):
+    states = client.get('param_schedulers')
+    if states is not None and runner.param_schedulers:
+        for (label, scheduler), (_, state) in zip(_labelled(runner.param_schedulers),
+                                                  _labelled(states)):
             configured_end = getattr(scheduler, 'end', None)
             scheduler.load_state_dict(state)
-            warn_if_schedule_ends_early(runner, index, scheduler, configured_end)
+            warn_if_schedule_ends_early(runner, label, scheduler, configured_end)
     # On another world size, rank r takes the RNG and buffers of rank r mod N.
     rank_file = osp.join(path, RANK_FILE.format(rank=runner.rank % saved.world_size))
-    load_rank_state(engine.module, safe_load(rank_file, allow_unsafe))
+    load_rank_state(runner.bare_model, safe_load(rank_file, allow_unsafe))
     runner.call_hook('after_load_checkpoint', checkpoint=client)
     return client
 
 
-def warn_if_schedule_ends_early(runner: Any, index: int, scheduler: Any,
+def warn_if_schedule_ends_early(runner: Any, label: str, scheduler: Any,
                                 configured_end: Any) -> None:
     """One warning when a resumed scheduler ends before this run's schedule would.
 
@@ -121,7 +168,8 @@ def warn_if_schedule_ends_early(runner: Any, index: int, scheduler: Any,
 
     Args:
         runner (Any): The resuming runner.
-        index (int): The scheduler's position in ``param_scheduler``.
+        label (str): The scheduler's position in ``param_scheduler``
+            (``[0]``, or ``['generator'][0]`` for schedulers by optimizer).
         scheduler (Any): The scheduler, its state restored.
         configured_end (Any): Its ``end`` as this run's config built it.
     """
@@ -135,7 +183,7 @@ def warn_if_schedule_ends_early(runner: Any, index: int, scheduler: Any,
              if isinstance(runner.train_loop, EpochBasedTrainLoop)
              else f'max_iters={runner.max_iters}')
     runner.logger.warning(
-        f'param_scheduler[{index}] ({type(scheduler).__name__}) resumed with end={saved_end} '
+        f'param_scheduler{label} ({type(scheduler).__name__}) resumed with end={saved_end} '
         f'({unit}s) from the checkpoint, but this config trains to {total}: like MMEngine, '
         'the resumed run continues the saved schedule, so its value stays at the one reached '
         f'at {unit} {saved_end}. To schedule the added {unit}s, append a scheduler with '

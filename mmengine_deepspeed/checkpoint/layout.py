@@ -5,6 +5,8 @@ e.g. ``epoch_3.pth`` or ``iter_2000.pth``)::
 
     epoch_3.pth/
       deepspeed/                  DeepSpeed's shards (engine.save_checkpoint, tag "deepspeed")
+      deepspeed-<name>/           instead, one per engine of a model with several optimizers
+                                  (a GAN's ``deepspeed-generator/``, ``deepspeed-discriminator/``)
       client_state.pt             meta, message hub, param schedulers, hooks' state
       rank_state_rank{R}.pt       rank R's RNG states (python, numpy, torch, CUDA) and
                                   module buffers (BatchNorm statistics are per rank)
@@ -30,7 +32,32 @@ META_FILE = 'meta.json'
 MARKER_FILE = 'COMPLETE'
 RANK_FILE = 'rank_state_rank{rank}.pt'
 LAST_CHECKPOINT = 'last_checkpoint'
-FORMAT_VERSION = 1
+# 2: ``shards`` are paths relative to the checkpoint and ``engines`` names each
+# engine's submodule; 1 (one engine, shards inside DS_TAG) is still read.
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
+# Client-state key: parameters and buffers of a model with several engines
+# that no engine holds (rank 0's), keys as in ``model.state_dict()``.
+OUTSIDE_ENGINES_KEY = 'outside_engines'
+# The engine of a model with one optimizer: around the whole model.
+SINGLE_ENGINE = 'model'
+
+
+def engine_tag(name: str) -> str:
+    """The directory (DeepSpeed tag) engine ``name`` saves into."""
+    return DS_TAG if name == SINGLE_ENGINE else f'{DS_TAG}-{name}'
+
+
+def engine_modules(meta: dict[str, Any]) -> dict[str, str]:
+    """``{engine name: path of its submodule in the model}`` (``''``: the model)."""
+    return dict(meta.get('engines') or {SINGLE_ENGINE: ''})
+
+
+def shard_paths(meta: dict[str, Any]) -> list[str]:
+    """The checkpoint's DeepSpeed files, relative to its directory."""
+    if meta.get('format_version') == 1:
+        return [osp.join(DS_TAG, name) for name in meta['shards']]
+    return list(meta['shards'])
 
 
 class CheckpointError(RuntimeError):
@@ -40,7 +67,7 @@ class CheckpointError(RuntimeError):
 def is_checkpoint_dir(path: str) -> bool:
     """Whether ``path`` looks like one of our checkpoint directories."""
     return osp.isdir(path) and (osp.isfile(osp.join(path, META_FILE))
-                                or osp.isdir(osp.join(path, DS_TAG)))
+                                or bool(glob.glob(osp.join(path, f'{DS_TAG}*', ''))))
 
 
 def is_complete(path: str) -> bool:
@@ -77,8 +104,9 @@ def write_text_atomic(path: str, text: str) -> None:
 
 
 def shard_files(path: str) -> list[str]:
-    """DeepSpeed's shard files of checkpoint ``path``."""
-    return sorted(glob.glob(osp.join(path, DS_TAG, '*.pt')))
+    """DeepSpeed's shard files of checkpoint ``path`` (every engine's)."""
+    tags = [engine_tag(name) for name in engine_modules(read_meta(path))]
+    return sorted(f for tag in tags for f in glob.glob(osp.join(path, tag, '*.pt')))
 
 
 def check_checkpoint(path: str) -> dict[str, Any]:
@@ -104,12 +132,12 @@ def check_checkpoint(path: str) -> dict[str, Any]:
             f'{osp.join(path, MARKER_FILE)} is missing: the save of {path!r} did not finish '
             '(a crash or kill during the save). Resume from an earlier checkpoint.')
     meta = read_meta(path)
-    if meta.get('format_version') != FORMAT_VERSION:
+    if meta.get('format_version') not in READABLE_FORMATS:
         raise CheckpointError(
             f'{path!r} has checkpoint format {meta.get("format_version")!r}; this version of '
-            f'mmengine-deepspeed reads format {FORMAT_VERSION}.')
-    for name in meta['shards']:
-        check_torch_file(osp.join(path, DS_TAG, name))
+            f'mmengine-deepspeed reads formats {READABLE_FORMATS}.')
+    for name in shard_paths(meta):
+        check_torch_file(osp.join(path, name))
     for rank in range(meta['world_size']):
         check_torch_file(osp.join(path, RANK_FILE.format(rank=rank)))
     check_torch_file(osp.join(path, CLIENT_FILE))

@@ -5,7 +5,7 @@ optimizer states; another world size or stage partitions them differently.
 DeepSpeed's ``ds_to_universal`` rewrites them per parameter (independent of
 the layout), and an engine built with ``checkpoint.load_universal`` loads
 that into its own layout. The conversion runs once, on rank 0, and is cached
-beside the checkpoint (``deepspeed_universal/``). ZeRO-0 checkpoints hold the
+beside the checkpoint (``deepspeed_universal/``, one per engine's tag). ZeRO-0 checkpoints hold the
 whole state in one file and load on any world size as they are.
 """
 from __future__ import annotations
@@ -24,10 +24,9 @@ import torch.distributed as dist
 from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
-from .layout import DS_TAG, CheckpointError, write_text_atomic
+from .layout import CheckpointError, write_text_atomic
 from .safe_load import safe_load
 
-UNIVERSAL_TAG = 'deepspeed_universal'
 ADAM_STATE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, FusedAdam, DeepSpeedCPUAdam)
 UNIVERSAL_MARKER = 'CONVERTED'
 
@@ -101,27 +100,33 @@ def check_reshardable(optimizer: Any, path: str) -> None:
             'resume=False (the optimizer state restarts).')
 
 
-def convert(path: str, target_stage: int) -> str:
-    """Make (once, cached) the universal checkpoint of ``path``; collective.
+def universal_tag(tag: str) -> str:
+    """The tag of the universal checkpoint made from the engine saved under ``tag``."""
+    return f'{tag}_universal'
+
+
+def convert(path: str, tag: str, target_stage: int) -> str:
+    """Make (once, cached) the universal checkpoint of one engine of ``path``; collective.
 
     Rank 0 converts while the others wait; every rank returns the tag to load.
 
     Args:
         path (str): A complete checkpoint directory.
+        tag (str): The engine's tag in it.
         target_stage (int): The ZeRO stage of the engine that will load it.
 
     Returns:
         str: The tag of the universal checkpoint inside ``path``.
     """
-    out = osp.join(path, UNIVERSAL_TAG)
+    out = osp.join(path, universal_tag(tag))
     if dist.get_rank() == 0:
         if not osp.isfile(osp.join(out, UNIVERSAL_MARKER)):
             shutil.rmtree(out, ignore_errors=True)
-            _run_ds_to_universal(osp.join(path, DS_TAG), out)
+            _run_ds_to_universal(osp.join(path, tag), out)
             write_text_atomic(osp.join(out, UNIVERSAL_MARKER), 'converted\n')
         _adapt_across_stages(out, target_stage)
     dist.barrier()
-    return UNIVERSAL_TAG
+    return universal_tag(tag)
 
 
 def _adapt_across_stages(out: str, target_stage: int) -> None:

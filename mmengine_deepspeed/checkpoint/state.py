@@ -97,3 +97,18 @@ def load_rank_state(module: torch.nn.Module, state: dict[str, Any]) -> None:
             with torch.no_grad():
                 buf.copy_(saved[name].to(buf.device, buf.dtype))
     set_rng_state(state['rng'])
+
+
+def outside_engines(model: torch.nn.Module, modules: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The state-dict entries of ``model`` that no engine's submodule holds.
+
+    Args:
+        model (nn.Module): The user's whole model.
+        modules (dict[str, str]): ``{engine name: submodule path}``.
+
+    Returns:
+        dict[str, torch.Tensor]: Keys as in ``model.state_dict()``, on CPU.
+    """
+    prefixes = tuple(f'{path}.' for path in modules.values() if path)
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()
+            if not k.startswith(prefixes)}

@@ -14,9 +14,9 @@ from torch import nn
 
 from mmengine_deepspeed import DeepSpeedOptimWrapper, DeepSpeedRunner, DsConfigError
 from mmengine_deepspeed.dist import _launcher_env, choose_backend, init_distributed
-from mmengine_deepspeed.engine import _overrides, cast_floating
+from mmengine_deepspeed.engine import cast_floating, overrides
+from mmengine_deepspeed.engines import mmengine_sides
 from mmengine_deepspeed.model_settings import fit_reduce_bucket, match_norm_buffers
-from mmengine_deepspeed.runner import mmengine_side
 from tests.helpers import ToyCustomStepModel, ToyModel, toy_config
 
 # --- the runner refuses bad input before any process work -------------------
@@ -46,17 +46,11 @@ def test_amp_optim_wrapper_is_refused_early(tmp_path: Any) -> None:
         DeepSpeedRunner(**cfg)
 
 
-def test_several_optimizers_are_refused_with_a_reason() -> None:
-    wrappers = dict(generator=dict(optimizer=dict(type='SGD', lr=0.1)),
-                    discriminator=dict(optimizer=dict(type='SGD', lr=0.1)))
-    with pytest.raises(ValueError, match='several optimizers'):
-        mmengine_side(None, wrappers, None)
-
-
 def test_side_from_config_dicts() -> None:
-    side = mmengine_side(dict(batch_size=6), dict(type='OptimWrapper', accumulative_counts=2,
-                                                  clip_grad=dict(max_norm=3.0),
-                                                  optimizer=dict(type='SGD', lr=0.1)), [{}])
+    side, = mmengine_sides(dict(batch_size=6), dict(type='OptimWrapper', accumulative_counts=2,
+                                                    clip_grad=dict(max_norm=3.0),
+                                                    optimizer=dict(type='SGD', lr=0.1)),
+                           [{}]).values()
     assert (side.batch_size, side.accumulative_counts, side.clip_grad['max_norm'],
             side.optim_wrapper_type, side.has_optim_wrapper,
             side.has_param_scheduler) == (6, 2, 3.0, 'OptimWrapper', True, True)
@@ -69,7 +63,7 @@ def test_side_from_built_objects() -> None:
     model = nn.Linear(2, 2)
     wrapper = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), accumulative_counts=3,
                            clip_grad=dict(type='value', clip_value=1.0))
-    side = mmengine_side(DataLoader(list(range(8)), batch_size=5), wrapper, None)
+    side = mmengine_sides(DataLoader(list(range(8)), batch_size=5), wrapper, None)['model']
     assert (side.batch_size, side.accumulative_counts, side.clip_grad['type'],
             side.has_param_scheduler) == (5, 3, 'value', False)
 
@@ -134,10 +128,10 @@ def test_cast_floating_walks_containers_and_spares_data_samples() -> None:
 
 
 def test_overridden_steps_are_detected() -> None:
-    assert not _overrides(ToyModel(), 'train_step')
-    assert _overrides(ToyCustomStepModel(), 'train_step')
-    assert not _overrides(ToyCustomStepModel(), 'val_step')
-    assert _overrides(nn.Linear(1, 1), 'train_step')
+    assert not overrides(ToyModel(), 'train_step')
+    assert overrides(ToyCustomStepModel(), 'train_step')
+    assert not overrides(ToyCustomStepModel(), 'val_step')
+    assert overrides(nn.Linear(1, 1), 'train_step')
 
 
 # --- fp16 logging (no CUDA here) ---------------------------------------------
