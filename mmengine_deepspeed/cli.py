@@ -138,6 +138,7 @@ def describe(path: str) -> str:
     from .checkpoint.layout import (
         CheckpointError,
         check_checkpoint,
+        engine_modules,
         is_complete,
         read_meta,
         shard_files,
@@ -154,6 +155,9 @@ def describe(path: str) -> str:
     meta = read_meta(path)
     for key in ('epoch', 'iter', 'world_size', 'zero_stage', 'precision', 'seed'):
         lines.append(f'{key}: {meta.get(key)}')
+    lines.append('engines: ' + ', '.join(
+        f'{name} (model.{path})' if path else f'{name} (the whole model)'
+        for name, path in engine_modules(meta).items()))
     lines.append(f'versions: {meta.get("versions")}')
     size = sum(osp.getsize(osp.join(root, f)) for root, _, files in os.walk(path) for f in files)
     lines.append(f'size: {size / 2**20:.2f} MiB')

@@ -23,7 +23,7 @@ from mmengine.runner import Runner
 
 import mmengine_deepspeed  # noqa: F401
 from mmengine_deepspeed import DeepSpeedRunner
-from tests.helpers import model_state
+from tests.helpers import ema_state, model_state
 from tests.toy_gan import ToyGAN, gan_config, gan_wrappers
 
 
@@ -34,6 +34,9 @@ def _history(hub: Any, key: str) -> list[float]:
 def run(out_dir: str, scenario: dict[str, Any]) -> None:
     name, mode = scenario['name'], scenario.get('mode', 'train')
     cfg = gan_config(scenario.get('work_dir', osp.join(out_dir, name)), **scenario['cfg'])
+    # The plain reference runs in one process (launcher 'none', no DDP wrapper,
+    # which would bypass the model's own train_step).
+    cfg['launcher'] = 'none' if mode == 'plain' else 'pytorch'
     if scenario.get('form') == 'objects':
         model = ToyGAN()
         cfg.update(model=model, optim_wrapper=gan_wrappers(model))
@@ -58,6 +61,7 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     module = runner.model.module if hasattr(runner.model, 'module') else runner.model
     with deepspeed.zero.GatheredParameters(list(module.parameters())):
         result['state'] = model_state(module)
+    result['ema'] = ema_state(runner) if mode != 'plain' else None
     engines = getattr(runner, 'engines', {})
     result.update(engines={n: type(e.module).__name__ for n, e in engines.items()},
                   engine_modules=dict(getattr(runner, 'engine_modules', {})),

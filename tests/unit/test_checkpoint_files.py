@@ -47,13 +47,27 @@ def make_checkpoint(path: str, iteration: int = 4, complete: bool = True) -> str
     torch.save({'module': {}}, osp.join(path, DS_TAG, SHARD))
     torch.save({'meta': {}}, osp.join(path, CLIENT_FILE))
     torch.save({}, osp.join(path, RANK_FILE.format(rank=0)))
-    meta = dict(format_version=FORMAT_VERSION, shards=[SHARD], world_size=1, zero_stage=0,
+    meta = dict(format_version=FORMAT_VERSION, shards=[osp.join(DS_TAG, SHARD)], world_size=1,
+                zero_stage=0,
                 precision='fp32', epoch=0, iter=iteration)
     with open(osp.join(path, META_FILE), 'w') as f:
         json.dump(meta, f)
     if complete:
         open(osp.join(path, MARKER_FILE), 'w').close()
     return path
+
+
+def test_format_1_checkpoints_are_still_read(tmp_path: Any) -> None:
+    """Format 1 (one engine) listed its shards inside deepspeed/; they are still checked."""
+    path = make_checkpoint(str(tmp_path / 'ck'))
+    with open(osp.join(path, META_FILE)) as f:
+        meta = json.load(f)
+    with open(osp.join(path, META_FILE), 'w') as f:
+        json.dump(dict(meta, format_version=1, shards=[SHARD]), f)
+    assert check_checkpoint(path)['format_version'] == 1
+    os.remove(osp.join(path, DS_TAG, SHARD))
+    with pytest.raises(CheckpointError, match=SHARD):
+        check_checkpoint(path)
 
 
 # --- clear errors -----------------------------------------------------------------

@@ -1,0 +1,126 @@
+"""engines.py without a process group: how optimizers map to submodules, and the errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from mmengine.optim import OptimWrapper, OptimWrapperDict
+from mmengine.registry import OPTIM_WRAPPER_CONSTRUCTORS
+from torch import nn
+
+import mmengine_deepspeed  # noqa: F401  registers the constructor
+from mmengine_deepspeed.engines import (
+    as_plain_wrappers,
+    is_several,
+    mmengine_sides,
+    named_optimizers,
+    owned_submodules,
+)
+from tests.toy_gan import ADAM, ToyGAN, gan_wrappers
+
+
+def _adam(*modules: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam([p for m in modules for p in m.parameters()], lr=0.1)
+
+
+def test_each_key_names_its_submodule() -> None:
+    model = ToyGAN()
+    optimizers = named_optimizers(gan_wrappers(model))
+    assert owned_submodules(model, optimizers) == {'generator': 'generator',
+                                                   'discriminator': 'discriminator'}
+
+
+def test_one_optimizer_is_the_whole_model() -> None:
+    model = ToyGAN()
+    assert owned_submodules(model, {'model': _adam(model)}) == {'model': ''}
+
+
+def test_other_keys_take_the_smallest_submodule_holding_the_parameters() -> None:
+    model = ToyGAN()
+    optimizers = {'g': _adam(model.generator[0], model.generator[3]),
+                  'd': _adam(model.discriminator[2])}
+    # g: generator also holds its BatchNorm (in no optimizer); d: the last layer alone
+    assert owned_submodules(model, optimizers) == {'g': 'generator', 'd': 'discriminator.2'}
+
+
+def test_a_parameter_in_two_optimizers_is_refused() -> None:
+    model = ToyGAN()
+    optimizers = {'generator': _adam(model.generator, model.discriminator[0]),
+                  'discriminator': _adam(model.discriminator)}
+    with pytest.raises(ValueError, match=r"'discriminator\.0\.(weight|bias)'.*in both "
+                                         r"optim_wrapper\['generator'\] and "
+                                         r"optim_wrapper\['discriminator'\]"):
+        owned_submodules(model, optimizers)
+
+
+def test_an_optimizer_spanning_unrelated_modules_is_refused() -> None:
+    model = ToyGAN()
+    optimizers = {'a': _adam(model.generator[0], model.discriminator[0]),
+                  'b': _adam(model.discriminator[2])}
+    with pytest.raises(ValueError, match=r"optim_wrapper\['a'\] optimizes parameters of "
+                                         r"discriminator\.0, generator\.0.*one submodule"):
+        owned_submodules(model, optimizers)
+
+
+def test_parameters_of_another_model_instance_are_refused() -> None:
+    model = ToyGAN()
+    optimizers = {'generator': _adam(ToyGAN().generator),
+                  'discriminator': _adam(model.discriminator)}
+    with pytest.raises(ValueError, match=r"optimizes 5 parameters that are not the model's"):
+        owned_submodules(model, optimizers)
+
+
+def test_constructor_builds_one_wrapper_per_submodule_with_its_paramwise_cfg() -> None:
+    model = ToyGAN()
+    constructor = OPTIM_WRAPPER_CONSTRUCTORS.build(dict(
+        type='SubmoduleOptimWrapperConstructor',
+        optim_wrapper_cfg=dict(
+            generator=dict(optimizer=ADAM, accumulative_counts=2),
+            discriminator=dict(optimizer=dict(type='SGD', lr=0.5),
+                               paramwise_cfg=dict(bias_lr_mult=0.1)))))
+    wrappers = constructor(model)
+    assert isinstance(wrappers, OptimWrapperDict)
+    gen, disc = wrappers['generator'], wrappers['discriminator']
+    assert gen._accumulative_counts == 2
+    assert {id(p) for g in gen.optimizer.param_groups for p in g['params']} == \
+        {id(p) for p in model.generator.parameters()}
+    assert sorted(g['lr'] for g in disc.optimizer.param_groups) == pytest.approx([0.05, 0.05,
+                                                                                 0.5, 0.5])
+
+
+def test_constructor_names_a_missing_submodule() -> None:
+    constructor = OPTIM_WRAPPER_CONSTRUCTORS.build(dict(
+        type='SubmoduleOptimWrapperConstructor',
+        optim_wrapper_cfg=dict(gen=dict(optimizer=ADAM))))
+    with pytest.raises(ValueError, match=r"no submodule 'gen' \(its children: "
+                                         r"data_preprocessor, generator"):
+        constructor(ToyGAN())
+
+
+def test_sides_per_optimizer() -> None:
+    sides = mmengine_sides(dict(batch_size=4), gan_wrappers(ToyGAN()), dict(generator=[]))
+    assert {n: (s.accumulative_counts, s.clip_grad) for n, s in sides.items()} == {
+        'generator': (2, None), 'discriminator': (1, {'max_norm': 1.0})}
+    config = dict(constructor='SubmoduleOptimWrapperConstructor',
+                  generator=dict(optimizer=ADAM, clip_grad=dict(max_norm=2.0)),
+                  discriminator=dict(optimizer=ADAM))
+    assert is_several(config)
+    sides = mmengine_sides(None, config, None)
+    assert sides['generator'].clip_grad == {'max_norm': 2.0}
+    assert as_plain_wrappers(config)['discriminator']['type'] == 'OptimWrapper'
+
+
+def test_several_configs_without_constructor_say_what_to_add() -> None:
+    config = dict(generator=dict(optimizer=ADAM), discriminator=dict(optimizer=ADAM))
+    with pytest.raises(ValueError, match="constructor='SubmoduleOptimWrapperConstructor'"):
+        mmengine_sides(None, config, None)
+
+
+def test_optimizer_fields_outside_optimizer_are_explained() -> None:
+    with pytest.raises(ValueError, match=r'no "optimizer" key.*optimizer=dict\(type=\'SGD\''):
+        mmengine_sides(None, dict(type='SGD', lr=0.2), None)
+
+
+def test_one_built_wrapper_is_one_engine() -> None:
+    wrapper = OptimWrapper(_adam(nn.Linear(2, 2)))
+    assert list(mmengine_sides(None, wrapper, None)) == ['model']
+    assert not is_several(wrapper)
