@@ -10,19 +10,20 @@ directly and steps each optim wrapper it is given. Parameters in no optimizer
 Calling a submodule directly, not through ``engine.forward``, is what makes
 several engines work: ``engine.forward`` hooks the engine's backward prologue
 onto its outputs, so a generator loss that flows through the discriminator
-would start the discriminator engine's backward too (and ZeRO-0 refuses that);
-``engine.backward`` itself reduces and steps correctly without it at every
-stage (tests/dist/test_gan.py compares against MMEngine's plain Runner).
+would start the discriminator engine's backward too (and ZeRO-0 refuses that).
+Each optim wrapper starts its own engine's backward from its loss instead
+(``optim_wrapper.begin_backward_at``); tests/dist/test_gan.py compares against
+MMEngine's plain Runner at every stage.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import deepspeed
 import torch
 from deepspeed import DeepSpeedEngine
-from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.accelerator import get_accelerator
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import nn
 from torch.optim import Optimizer
@@ -31,8 +32,9 @@ from torch.utils.hooks import RemovableHandle
 
 from .checkpoint.layout import SINGLE_ENGINE
 from .config import MMEngineSide, zero_stage
-from .engine import cast_floating
+from .engine import DeepSpeedEngineWrapper, cast_floating
 from .model_settings import fit_to_model
+from .optim_wrapper import DeepSpeedOptimWrapper
 from .scalars import engine_config, initializable
 
 # torch optimizers that update each element from its own gradient and state
@@ -205,6 +207,19 @@ def _owner(model: nn.Module, key: str, ids: set[int], others: set[int],
         'submodule (its key naming it, e.g. "generator"), or merge the optimizers.')
 
 
+def evaluation_stage(configs: Mapping[str, dict]) -> str:
+    """Use ZeRO-0 for an evaluation engine asked for ZeRO-1/2; returns the log line.
+
+    ZeRO-1/2 partition optimizer states and gradients only, and DeepSpeed
+    refuses them without an optimizer; the weights are the same at stage 0.
+    """
+    stage = zero_stage(next(iter(configs.values())))
+    for ds_config in configs.values():
+        ds_config['zero_optimization']['stage'] = 0
+    return (f'No optimizer (val/test only): ZeRO-{stage} has nothing to partition, using '
+            'ZeRO-0 for this engine.')
+
+
 def build_engine(module: nn.Module, optimizer: Optional[Optimizer],
                  ds_config: dict) -> DeepSpeedEngine:
     """``deepspeed.initialize`` around ``module`` with the settings it needs.
@@ -240,33 +255,67 @@ def cast_inputs(module: nn.Module, dtype: torch.dtype) -> RemovableHandle:
     return module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def begin_backward_at(loss: torch.Tensor, engine: DeepSpeedEngine) -> torch.Tensor:
-    """Start ``engine``'s backward bookkeeping from ``loss``, as ``engine.forward`` would.
 
-    DeepSpeed 0.19 resets a ZeRO optimizer's gradient-hook counters in
-    ``engine.forward`` and runs the engine's backward prologue (ZeRO's
-    ``enter_backward`` and its post-backward callback) from hooks it puts on
-    the forward's outputs. A model that calls its submodules directly (several
-    engines, or its own ``train_step``) gets neither, and ZeRO-3 then reduces
-    accumulated gradients wrongly. The same two calls are made here, the
-    prologue from a hook on the loss so that it runs inside the backward as
-    DeepSpeed's does; ``engine._backward_prologue`` is private, no public API
-    runs it, and tests/dist/test_gan.py (ZeRO-3 with accumulation against
-    MMEngine's Runner) pins it. ZeRO-0 engines need neither.
+def build_engines(model: nn.Module, optimizers: Mapping[str, Optional[Optimizer]],
+                  configs: Mapping[str, dict], cast_dtype: Optional[torch.dtype]
+                  ) -> tuple[dict[str, DeepSpeedEngine], dict[str, str], DeepSpeedEngineWrapper]:
+    """One engine per optimizer, and the model wrapper MMEngine's loops drive.
 
     Args:
-        loss (torch.Tensor): The loss about to go to ``engine.backward``.
-        engine (DeepSpeedEngine): The engine that owns the stepped optimizer.
+        model (nn.Module): The user's (bare) model.
+        optimizers (Mapping[str, Optimizer | None]): By engine name;
+            ``{'model': None}`` builds an evaluation engine.
+        configs (Mapping[str, dict]): Each engine's resolved ds_config.
+        cast_dtype (torch.dtype, optional): Compute dtype floating inputs
+            are cast to (bf16/fp16), or None.
 
     Returns:
-        torch.Tensor: ``loss``.
+        tuple: The engines by name, their submodule paths, and the wrapper.
     """
-    if isinstance(engine.optimizer, ZeROOptimizer) and loss.requires_grad:
-        engine.optimizer.clear_backward_seen_flag()
+    modules = owned_submodules(model, optimizers)
+    if len(modules) > 1:
+        # Parameters in no optimizer (an EMA copy, frozen parts) join the
+        # engines' device; each engine moves its own submodule.
+        model.to(get_accelerator().current_device_name())
+    engines = {name: build_engine(model.get_submodule(path), optimizers[name], configs[name])
+               for name, path in modules.items()}
+    first = next(iter(engines.values()))
+    if len(engines) == 1:
+        return engines, modules, DeepSpeedEngineWrapper(first, cast_dtype)
+    if cast_dtype is not None:
+        for engine in engines.values():
+            cast_inputs(engine.module, cast_dtype)
+    return engines, modules, DeepSpeedEngineWrapper(first, cast_dtype, model=model,
+                                                    engines=engines)
 
-        def prologue(grad: torch.Tensor) -> torch.Tensor:
-            engine._backward_prologue()
-            return grad
 
-        loss.register_hook(prologue)
-    return loss
+def wrap_optimizers(engines: Mapping[str, DeepSpeedEngine], optimizers: Mapping[str, Optimizer],
+                    configs: Mapping[str, dict], find_unused_parameters: bool,
+                    own_train_step: bool) -> Union[DeepSpeedOptimWrapper, OptimWrapperDict]:
+    """The optim wrapper(s) the train loop steps with: one per engine.
+
+    Args:
+        engines (Mapping[str, DeepSpeedEngine]): From :func:`build_engines`.
+        optimizers (Mapping[str, Optimizer]): The optimizers they own.
+        configs (Mapping[str, dict]): Each engine's resolved ds_config
+            (accumulation and clipping per optimizer).
+        find_unused_parameters (bool): See :class:`DeepSpeedOptimWrapper`.
+        own_train_step (bool): The model overrides ``train_step`` (its
+            losses do not come from ``engine.forward``).
+
+    Returns:
+        DeepSpeedOptimWrapper | OptimWrapperDict: One wrapper, or one per
+        optimizer by name.
+    """
+    wrappers = {
+        name: DeepSpeedOptimWrapper(
+            engines[name], optimizer,
+            accumulative_counts=configs[name]['gradient_accumulation_steps'],
+            clip_max_norm=float(configs[name]['gradient_clipping']),
+            find_unused_parameters=find_unused_parameters,
+            name=None if name == SINGLE_ENGINE else name,
+            forward_through_engine=len(engines) == 1 and not own_train_step)
+        for name, optimizer in optimizers.items()}
+    if SINGLE_ENGINE in wrappers:
+        return wrappers[SINGLE_ENGINE]
+    return OptimWrapperDict(**wrappers)

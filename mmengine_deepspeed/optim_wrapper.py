@@ -25,12 +25,12 @@ import mmengine.runner  # noqa: F401  registers MMEngine's same-named wrapper fi
 import torch
 import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from mmengine.optim import OptimWrapper
 from mmengine.registry import OPTIM_WRAPPERS
 from torch import nn
 from torch.optim import Optimizer
 
-from .engines import begin_backward_at
 from .unused import UsedParameters, with_every_parameter
 
 
@@ -66,7 +66,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         forward_through_engine (bool): Whether the losses come from
             ``engine.forward``; False when the model calls its (sub)modules
             itself (its own ``train_step``, several engines), and the engine's
-            backward is then started here (see ``engines.begin_backward_at``).
+            backward is then started here (see :func:`begin_backward_at`).
             Defaults to True.
     """
 
@@ -205,3 +205,35 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         which DeepSpeed refuses under ZeRO-2/3 and does not need.
         """
         yield
+
+
+def begin_backward_at(loss: torch.Tensor, engine: DeepSpeedEngine) -> torch.Tensor:
+    """Start ``engine``'s backward bookkeeping from ``loss``, as ``engine.forward`` would.
+
+    DeepSpeed 0.19 resets a ZeRO optimizer's gradient-hook counters in
+    ``engine.forward`` and runs the engine's backward prologue (ZeRO's
+    ``enter_backward`` and its post-backward callback) from hooks it puts on
+    the forward's outputs. A model that calls its submodules directly (several
+    engines, or its own ``train_step``) gets neither, and ZeRO-3 then reduces
+    accumulated gradients wrongly. The same two calls are made here, the
+    prologue from a hook on the loss so that it runs inside the backward as
+    DeepSpeed's does; ``engine._backward_prologue`` is private, no public API
+    runs it, and tests/dist/test_gan.py (ZeRO-3 with accumulation against
+    MMEngine's Runner) pins it. ZeRO-0 engines need neither.
+
+    Args:
+        loss (torch.Tensor): The loss about to go to ``engine.backward``.
+        engine (DeepSpeedEngine): The engine that owns the stepped optimizer.
+
+    Returns:
+        torch.Tensor: ``loss``.
+    """
+    if isinstance(engine.optimizer, ZeROOptimizer) and loss.requires_grad:
+        engine.optimizer.clear_backward_seen_flag()
+
+        def prologue(grad: torch.Tensor) -> torch.Tensor:
+            engine._backward_prologue()
+            return grad
+
+        loss.register_hook(prologue)
+    return loss

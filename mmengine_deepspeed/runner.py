@@ -1,17 +1,18 @@
-"""DeepSpeedRunner: MMEngine's Runner with a DeepSpeed engine in place of DDP.
+"""DeepSpeedRunner: MMEngine's Runner with DeepSpeed engines in place of DDP.
 
 MMEngine wraps the model in ``Runner.__init__`` but builds the optimizer only
 in ``train()``; ``deepspeed.initialize`` needs both at once. This runner owns
-that ordering in one place, ``_build_engine``:
+that ordering in one place, ``_build_engines``:
 
 1. the model is built by MMEngine and left unwrapped in ``__init__``;
 2. ``init_weights()`` runs once, before anything is partitioned;
-3. the optimizer is built from ``optim_wrapper`` by MMEngine's own machinery
-   (``paramwise_cfg``, custom constructors, ``auto_scale_lr``);
+3. the optimizer(s) are built from ``optim_wrapper`` by MMEngine's own
+   machinery (``paramwise_cfg``, custom constructors, ``auto_scale_lr``);
 4. the ds_config is resolved against the MMEngine config (``config.py``);
-5. ``deepspeed.initialize`` returns the engine, which becomes
-   ``runner.model`` (a :class:`DeepSpeedEngineWrapper`) and
-   ``runner.optim_wrapper`` (a :class:`DeepSpeedOptimWrapper`).
+5. ``engines.py`` builds one engine per optimizer: ``runner.model`` becomes a
+   :class:`DeepSpeedEngineWrapper` and ``runner.optim_wrapper`` a
+   :class:`DeepSpeedOptimWrapper` (an ``OptimWrapperDict`` of them for
+   several optimizers).
 
 Param schedulers are built afterwards by MMEngine on the DeepSpeed optim
 wrapper, so they drive the learning rate DeepSpeed steps with. ``val()`` and
@@ -27,9 +28,7 @@ from typing import Any, Optional, Union
 
 import deepspeed
 import torch
-from deepspeed.accelerator import get_accelerator
 from mmengine.config import Config
-from mmengine.hooks import CheckpointHook, EMAHook
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper, revert_sync_batchnorm
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.registry import RUNNERS
@@ -38,10 +37,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .checkpoint import io as ckpt_io
-from .checkpoint.hook import DeepSpeedCheckpointHook  # noqa: F401  registers it
-from .checkpoint.layout import SINGLE_ENGINE, check_checkpoint, find_latest_complete
+from .checkpoint.layout import SINGLE_ENGINE, find_latest_complete
 from .checkpoint.loop import ResumableEpochBasedTrainLoop  # noqa: F401  registers it
-from .checkpoint.reshard import Layout, check_reshardable, needs_universal
+from .checkpoint.reshard import Layout, load_universal_if_needed
 from .config import (
     DsConfigSource,
     bf16_request,
@@ -51,16 +49,17 @@ from .config import (
 )
 from .dist import cuda_available, init_distributed, native_bf16, quiet_deepspeed
 from .ema import DeepSpeedEMAHook
-from .engine import DeepSpeedEngineWrapper, gathered, overrides
+from .engine import gathered, overrides
 from .engines import (
     as_plain_wrappers,
-    build_engine,
-    cast_inputs,
+    build_engines,
+    evaluation_stage,
     mmengine_sides,
     named_optimizers,
-    owned_submodules,
+    wrap_optimizers,
 )
-from .monitor import ThroughputHook, banner, precision_note
+from .hooks import deepspeed_custom_hooks, deepspeed_default_hooks
+from .monitor import banner, precision_note
 from .optim_wrapper import DeepSpeedOptimWrapper
 from .unused import zero3_unsupported
 
@@ -218,19 +217,8 @@ class DeepSpeedRunner(Runner):
         self._init_model_weights()
         optimizers = named_optimizers(super().build_optim_wrapper(as_plain_wrappers(optim_wrapper)))
         configs = self._build_engines(optimizers)
-        wrappers = {
-            name: DeepSpeedOptimWrapper(
-                self.engines[name], optimizer,
-                accumulative_counts=configs[name]['gradient_accumulation_steps'],
-                clip_max_norm=float(configs[name]['gradient_clipping']),
-                find_unused_parameters=self._find_unused_parameters,
-                name=None if name == SINGLE_ENGINE else name,
-                forward_through_engine=len(optimizers) == 1 and not overrides(
-                    self.bare_model, 'train_step'))
-            for name, optimizer in optimizers.items()}
-        if SINGLE_ENGINE in wrappers:
-            return wrappers[SINGLE_ENGINE]
-        return OptimWrapperDict(**wrappers)
+        return wrap_optimizers(self.engines, optimizers, configs, self._find_unused_parameters,
+                               own_train_step=overrides(self.bare_model, 'train_step'))
 
     def _build_engines(self, optimizers: Mapping[str, Optional[Optimizer]]) -> dict[str, dict]:
         """One engine per optimizer; ``runner.model`` becomes their wrapper.
@@ -243,7 +231,6 @@ class DeepSpeedRunner(Runner):
                 'The DeepSpeed engine was already built without an optimizer by val()/test(); '
                 'call train() first, or build a new runner for training.')
         model = self.bare_model
-        modules = owned_submodules(model, optimizers)
         configs = {name: self._resolve_ds_config(name, world_size=self.world_size)
                    for name in optimizers}
         stage = zero_stage(next(iter(configs.values())))
@@ -253,13 +240,7 @@ class DeepSpeedRunner(Runner):
             self.logger.warning(unsupported)
             self._find_unused_parameters = False
         if not training and stage in (1, 2):
-            # ZeRO-1/2 partition optimizer states and gradients only, and
-            # DeepSpeed refuses them without an optimizer; the weights of an
-            # evaluation engine are the same at stage 0.
-            self.logger.info(f'No optimizer (val/test only): ZeRO-{stage} has nothing to '
-                             'partition, using ZeRO-0 for this engine.')
-            for ds_config in configs.values():
-                ds_config['zero_optimization']['stage'] = 0
+            self.logger.info(evaluation_stage(configs))
         if self._load_from is not None and not self._resume and not self._has_loaded:
             # Into the bare model, so DeepSpeed partitions (and keeps fp32
             # masters of) the loaded weights.
@@ -269,35 +250,15 @@ class DeepSpeedRunner(Runner):
                 hook.take_template(model)  # full fp32 weights, before partitioning
         resume_from = self._resume_path() if training else None
         if resume_from is not None:
-            meta = check_checkpoint(resume_from)  # refuse a bad checkpoint before any work
-            if needs_universal(Layout(meta['world_size'], meta['zero_stage']),
-                               Layout(self.world_size, stage), resume_from):
-                for name, ds_config in configs.items():
-                    check_reshardable(optimizers[name], resume_from)
-                    ds_config.setdefault('checkpoint', {})['load_universal'] = True
-        cast_dtype = CAST_DTYPES[precision(configs[next(iter(configs))])]
-        if len(configs) > 1:
-            # Parameters in no optimizer (an EMA copy, frozen parts) join the
-            # engines' device; each engine moves its own submodule.
-            model.to(get_accelerator().current_device_name())
-        for name, ds_config in configs.items():
-            module = model.get_submodule(modules[name])
-            self.engines[name] = build_engine(module, optimizers[name], ds_config)
-        self.engine_modules = modules
+            load_universal_if_needed(resume_from, Layout(self.world_size, stage), optimizers,
+                                     configs)
         self.ds_config = configs[next(iter(configs))]
-        first = next(iter(self.engines.values()))
-        if len(self.engines) == 1:
-            self.model = DeepSpeedEngineWrapper(first, cast_dtype)
-        else:
-            if cast_dtype is not None:
-                for engine in self.engines.values():
-                    cast_inputs(engine.module, cast_dtype)
-            self.model = DeepSpeedEngineWrapper(first, cast_dtype, model=model,
-                                                engines=self.engines)
+        self.engines, self.engine_modules, self.model = build_engines(
+            model, optimizers, configs, CAST_DTYPES[precision(self.ds_config)])
         self.logger.info(banner(self.ds_config, self.world_size, model, training))
         if len(self.engines) > 1:
             self.logger.info('One DeepSpeed engine per optimizer: ' + ', '.join(
-                f'{name} -> model.{path}' for name, path in modules.items()))
+                f'{name} -> model.{path}' for name, path in self.engine_modules.items()))
         note = precision_note(bf16_request(self._ds_config_source, self._config_dir),
                               precision(self.ds_config), cuda_available())
         if note is not None:
@@ -319,19 +280,8 @@ class DeepSpeedRunner(Runner):
         return super().test()
 
     def register_default_hooks(self, hooks: Optional[dict] = None) -> None:
-        """MMEngine's default hooks, with the crash-safe checkpoint hook.
-
-        A ``CheckpointHook`` config (or the default one) becomes a
-        :class:`DeepSpeedCheckpointHook` with the same arguments.
-        """
-        hooks = dict(hooks or {})
-        checkpoint = hooks.get('checkpoint', dict(type='CheckpointHook', interval=1))
-        if isinstance(checkpoint, dict) and checkpoint.get('type') in ('CheckpointHook',
-                                                                       CheckpointHook):
-            checkpoint = dict(checkpoint, type='DeepSpeedCheckpointHook')
-        if 'checkpoint' not in hooks or hooks['checkpoint'] is not None:
-            hooks['checkpoint'] = checkpoint
-        super().register_default_hooks(hooks)
+        """MMEngine's default hooks, with the crash-safe checkpoint hook (``hooks.py``)."""
+        super().register_default_hooks(deepspeed_default_hooks(hooks))
 
     def load_checkpoint(self, filename: str, map_location: Any = 'cpu', strict: bool = False,
                         revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)) -> dict:
@@ -372,14 +322,7 @@ class DeepSpeedRunner(Runner):
     def register_hooks(self, default_hooks: Optional[dict] = None,
                        custom_hooks: Optional[list] = None) -> None:
         """MMEngine's hooks, with ``EMAHook`` made DeepSpeed-aware and a ThroughputHook."""
-        hooks = [dict(hook, type='DeepSpeedEMAHook')
-                 if isinstance(hook, dict) and hook.get('type') in ('EMAHook', EMAHook) else hook
-                 for hook in custom_hooks or []]
-        if not any(isinstance(h, ThroughputHook) or (isinstance(h, dict) and h.get('type') in
-                                                     ('ThroughputHook', ThroughputHook))
-                   for h in hooks):
-            hooks.append(dict(type='ThroughputHook'))
-        super().register_hooks(default_hooks, hooks)
+        super().register_hooks(default_hooks, deepspeed_custom_hooks(custom_hooks))
 
     def save_checkpoint(self, out_dir: str, filename: str,
                         file_client_args: Optional[dict] = None, save_optimizer: bool = True,

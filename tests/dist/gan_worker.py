@@ -66,7 +66,8 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     result.update(engines={n: type(e.module).__name__ for n, e in engines.items()},
                   engine_modules=dict(getattr(runner, 'engine_modules', {})),
                   stages={n: e.zero_optimization_stage() for n, e in engines.items()},
-                  steps={n: e.global_steps for n, e in engines.items()})
+                  steps={n: e.global_steps for n, e in engines.items()},
+                  dtypes={n: str(next(e.module.parameters()).dtype) for n, e in engines.items()})
     torch.save(result, osp.join(out_dir, f'{name}.rank{runner.rank}.pt'))
 
 

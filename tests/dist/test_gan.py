@@ -36,6 +36,8 @@ PARITY = [
     {'name': 'z0', 'form': 'objects', 'cfg': {'ds_config': zero(0)}},
     *({'name': f'z{s}', 'cfg': {'ds_config': zero(s)}} for s in (1, 2, 3)),
     {'name': 'z3_val', 'mode': 'val', 'cfg': {'ds_config': zero(3)}},
+    {'name': 'z2_bf16', 'cfg': {'ds_config': dict(zero(2), bf16={'enabled': True}),
+                                'max_iters': 6}},
 ]
 RESUME = [
     {'name': 'straight_z2', 'cfg': {'ds_config': zero(2), 'max_iters': 12, 'checkpoint': EVERY_6}},
@@ -98,6 +100,13 @@ def test_gan_trains_as_with_mmengine_runner(out: str, name: str) -> None:
     assert 'train/discriminator.grad_norm' in ours['scalars']
     assert 'train/grad_norm' not in ours['scalars']
     assert all(n > 0 for n in ours['grad_norm_d'])
+
+
+def test_bf16_submodules_get_their_inputs_cast(out: str) -> None:
+    """The model hands fp32 noise and images to bf16 submodules: each engine casts them."""
+    ours = result(out, 'z2_bf16')
+    assert ours['dtypes'] == {'generator': 'torch.bfloat16', 'discriminator': 'torch.bfloat16'}
+    assert len(ours['losses']) == 6 and all(0 < loss < 10 for loss in ours['losses'])
 
 
 def test_val_without_training(out: str) -> None:

@@ -59,6 +59,11 @@ PARITY_SCENARIOS: dict[str, dict[str, Any]] = {
                              custom_hooks=[EMA, RECORDER]),
     'parity_ema_zero3': dict(ds_config={'zero_optimization': {'stage': 3}}, val_interval=4,
                              custom_hooks=[EMA, RECORDER]),
+    # its own train_step calls the model, not the engine: the optim wrapper starts the
+    # engine's backward (without, ZeRO-3 accumulation reduced wrongly)
+    'parity_custom_step_zero3_accum2': dict(
+        model={'type': 'ToyCustomStepModel', 'with_bn': False}, optimizer=ADAMW,
+        ds_config={'zero_optimization': {'stage': 3}}, accumulative_counts=2),
 }
 for _cfg in PARITY_SCENARIOS.values():
     _cfg['with_bn'] = False

@@ -1,0 +1,40 @@
+"""The MMEngine hooks DeepSpeedRunner replaces with DeepSpeed-aware ones, same arguments.
+
+``CheckpointHook`` becomes :class:`DeepSpeedCheckpointHook` (deletes old
+checkpoints only after the new one is complete), ``EMAHook`` becomes
+:class:`DeepSpeedEMAHook` (averages gathered fp32 weights), and a
+:class:`ThroughputHook` is added unless the config has one.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from mmengine.hooks import CheckpointHook, EMAHook
+
+from .checkpoint.hook import DeepSpeedCheckpointHook  # noqa: F401  registers it
+from .ema import DeepSpeedEMAHook  # noqa: F401  registers it
+from .monitor import ThroughputHook
+
+
+def deepspeed_default_hooks(hooks: Optional[dict]) -> dict:
+    """``default_hooks`` with the checkpoint hook (given or MMEngine's default) swapped."""
+    hooks = dict(hooks or {})
+    checkpoint = hooks.get('checkpoint', dict(type='CheckpointHook', interval=1))
+    if isinstance(checkpoint, dict) and checkpoint.get('type') in ('CheckpointHook',
+                                                                   CheckpointHook):
+        checkpoint = dict(checkpoint, type='DeepSpeedCheckpointHook')
+    if 'checkpoint' not in hooks or hooks['checkpoint'] is not None:
+        hooks['checkpoint'] = checkpoint
+    return hooks
+
+
+def deepspeed_custom_hooks(custom_hooks: Optional[list]) -> list[Any]:
+    """``custom_hooks`` with ``EMAHook`` swapped and a ``ThroughputHook`` added."""
+    hooks = [dict(hook, type='DeepSpeedEMAHook')
+             if isinstance(hook, dict) and hook.get('type') in ('EMAHook', EMAHook) else hook
+             for hook in custom_hooks or []]
+    if not any(isinstance(h, ThroughputHook) or (isinstance(h, dict) and h.get('type') in
+                                                 ('ThroughputHook', ThroughputHook))
+               for h in hooks):
+        hooks.append(dict(type='ThroughputHook'))
+    return hooks
