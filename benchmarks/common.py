@@ -24,13 +24,16 @@ REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 MODELS_CFG = {
     'gpt': dict(type='TinyGPT', block_size=64, width=192, depth=3, heads=4),
     'tiny': dict(type='BenchTinyMLP'),
+    # ~4.5M parameters, fp32 (FP32_MODELS): a step of ~100-250 ms in plain matmuls
+    'mlp': dict(type='BenchMLP'),
     # large enough that model states dominate memory and checkpoint size
     'big': dict(type='TinyGPT', block_size=64, width=1024, depth=4, heads=8),
     # GPU mode: ~129M parameters (a byte vocabulary, so 18 blocks of width 768
     # stand in for GPT-2 small's 12 blocks plus its 38M-parameter embedding)
     'gpt125m': dict(type='TinyGPT', block_size=1024, width=768, depth=18, heads=12),
 }
-BATCH = {'gpt': 8, 'tiny': 8, 'big': 1, 'gpt125m': 8}
+BATCH = {'gpt': 8, 'tiny': 8, 'mlp': 8, 'big': 1, 'gpt125m': 8}
+FP32_MODELS = ('mlp',)
 # Dense bf16 tensor-core peak per GPU, TFLOP/s, from the vendors' data sheets
 # (without sparsity), by a substring of torch.cuda.get_device_name().
 PEAK_BF16_TFLOPS = (('H200', 989.4), ('H100', 989.4), ('H800', 989.4), ('GH200', 989.4),
@@ -89,11 +92,35 @@ class BenchTinyMLP(BaseModel):
         return logits
 
 
-def ds_config(stage: int, offload: bool = False) -> dict:
+@MODELS.register_module()
+class BenchMLP(BaseModel):
+    """Byte embedding, 4 residual MLP blocks of width 512 (hidden 1024), byte head."""
+
+    def __init__(self, data_preprocessor: Optional[dict] = None):
+        super().__init__(data_preprocessor=data_preprocessor)
+        self.embed = nn.Embedding(256, 512)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512))
+            for _ in range(4))
+        self.head = nn.Linear(512, 256)
+
+    def forward(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        hidden = self.embed(inputs)
+        for block in self.blocks:
+            hidden = hidden + block(hidden)
+        logits = self.head(hidden)
+        if mode == 'loss':
+            return dict(loss=nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                         targets.flatten()))
+        return logits
+
+
+def ds_config(stage: int, offload: bool = False, model: str = '') -> dict:
     zero: dict[str, Any] = {'stage': stage}
     if offload:
         zero.update(offload_optimizer={'device': 'cpu'}, offload_param={'device': 'cpu'})
-    return {'zero_optimization': zero, 'bf16': {'enabled': True}}
+    return {'zero_optimization': zero, 'bf16': {'enabled': model not in FP32_MODELS}}
 
 
 def device_ranks() -> int:

@@ -5,7 +5,10 @@ Each measurement is its own torchrun launch; raw and runner launches alternate s
 machine noise spreads over both. Speed is steady-state iterations/s after the warm-up (one
 iteration = a discriminator step and a generator step).
 
-    python benchmarks/gan.py [--rounds 5] [--smoke]
+With --profile, one more launch per mode and stage runs rank 0's measured iterations under
+cProfile and prints each package's own time per iteration.
+
+    python benchmarks/gan.py [--rounds 5] [--profile] [--smoke]
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--rounds', type=int, default=5)
+    parser.add_argument('--profile', action='store_true', help='also profile each mode')
     parser.add_argument('--smoke', action='store_true', help='seconds-long run for CI')
     args = parser.parse_args()
     rounds, stages, iters = args.rounds, (2, 3), (10, 60)
@@ -41,6 +45,10 @@ def main() -> None:
                     (result,) = torchrun(WORKER, [mode, str(stage), *map(str, iters),
                                                   osp.join(tmp, mode)], nproc=device_ranks())
                     speeds[(stage, mode)].append(result['it_per_s'])
+        profiles = {(stage, mode): torchrun(WORKER, [mode, str(stage), *map(str, iters),
+                                                     osp.join(tmp, mode), '--profile'],
+                                            nproc=device_ranks())[0]['profile_ms']
+                    for stage in stages for mode in MODES} if args.profile else {}
     rows = [[f'ZeRO-{stage}', statistics.median(speeds[(stage, 'raw')]),
              statistics.median(speeds[(stage, 'runner')]),
              spread([o / r for o, r in zip(speeds[(stage, 'runner')], speeds[(stage, 'raw')])])]
@@ -48,6 +56,14 @@ def main() -> None:
     print(table(['stage', 'raw it/s', 'runner it/s', 'runner/raw min/med/max'], rows))
     print(f'\n{rounds} round(s), {device_ranks()} rank(s), fp32, Adam, batch 32 per rank; '
           'one iteration = a discriminator and a generator step.')
+    if profiles:
+        packages = sorted({p for prof in profiles.values() for p in prof},
+                          key=lambda p: -profiles[(stages[0], 'runner')].get(p, 0.0))
+        print('\n' + table(
+            ['own time, ms per iteration (rank 0, cProfile)',
+             *(f'{mode} ZeRO-{stage}' for stage in stages for mode in MODES)],
+            [[p, *(profiles[(stage, mode)].get(p, 0.0) for stage in stages for mode in MODES)]
+             for p in packages]))
 
 
 if __name__ == '__main__':

@@ -1,11 +1,12 @@
 """One rank of the GAN benchmark: train N iterations one way, report the speed.
 
-Usage (under torchrun): ``gan_worker.py MODE STAGE WARMUP ITERS WORK_DIR``, MODE
+Usage (under torchrun): ``gan_worker.py MODE STAGE WARMUP ITERS WORK_DIR [--profile]``, MODE
 ``raw`` (two engines from ``deepspeed.initialize`` and a hand-written loop, the
 generator and discriminator called through their engines) or ``runner``
 (DeepSpeedRunner with ``optim_wrapper`` per submodule; the model's own
 ``train_step`` does the same two steps). fp32, Adam, one rank per process on
-gloo (NCCL on CUDA). Rank 0 prints ``RESULT {json}``.
+gloo (NCCL on CUDA). Rank 0 prints ``RESULT {json}``; with ``--profile`` its measured
+iterations run under cProfile and the result carries each package's own time.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ ADAM = dict(lr=2e-4, betas=(0.5, 0.999))
 class RandomImages(Dataset):
     """Random images in [-1, 1] with their noise vectors."""
 
-    def __init__(self, size: int = 4096):
+    def __init__(self, size: int = 8192):
         gen = torch.Generator().manual_seed(0)
         self.images = torch.rand(size, IMAGE, generator=gen) * 2 - 1
         self.noise = torch.randn(size, NOISE, generator=gen)
@@ -148,7 +149,7 @@ def run_runner(stage: int, iters: int, work_dir: str, recorder: Recorder) -> Non
 
 def main() -> None:
     mode, stage, warmup, iters = sys.argv[1], *map(int, sys.argv[2:5])
-    recorder = Recorder(warmup, profile=False)
+    recorder = Recorder(warmup, profile='--profile' in sys.argv[6:])
     if mode == 'raw':
         run_raw(stage, warmup + iters, recorder)
     else:
@@ -157,7 +158,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         print('RESULT ' + json.dumps(dict(
             mode=mode, stage=stage, it_per_s=(len(wall) - 1) / (wall[-1] - wall[0]),
-            first_iter_s=recorder.stamps[0][0] - PROCESS_START, world=dist.get_world_size())),
+            first_iter_s=recorder.stamps[0][0] - PROCESS_START, world=dist.get_world_size(),
+            profile_ms=recorder.profile_ms())),
             flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -1,5 +1,5 @@
 """Training speed of DeepSpeedRunner against a hand-written DeepSpeed loop and MMEngine's
-FlexibleRunner + DeepSpeedStrategy, ZeRO-2 and ZeRO-3, bf16, AdamW.
+FlexibleRunner + DeepSpeedStrategy, ZeRO-2 and ZeRO-3, bf16 (the "mlp" model fp32), AdamW.
 
 Each measurement is its own torchrun launch; launches are interleaved (raw, runner,
 strategy, raw, ...) so that machine noise spreads over all three. Speed is steady-state
@@ -11,14 +11,16 @@ On CPU: 2 ranks on gloo, models "gpt" and "tiny". On CUDA: one rank per GPU (up 
 NCCL, and the ~125M-parameter "gpt125m" as well; MFU uses the GPU's bf16 peak (a table of
 known GPUs, or --peak-tflops).
 
-With --profile, one more launch per mode runs the tiny model's measured iterations of
-rank 0 under cProfile and prints where each iteration's time goes, by package.
+With --profile, one more launch per mode runs the measured iterations of rank 0 under
+cProfile (the tiny model at ZeRO-2, or --profile-case) and prints where each iteration's
+time goes, by package. --models picks the models (mlp: ~4.5M parameters in fp32).
 
 With --unused, each round also trains the runner with find_unused_parameters=True
 (ZeRO-2), and a second table puts its speed next to the default runner's, whose
 per-iteration check that every rank used the same parameters is timed on its own.
 
-    python benchmarks/overhead.py [--rounds 3] [--profile] [--unused] [--peak-tflops T]
+    python benchmarks/overhead.py [--rounds 3] [--models gpt,mlp,tiny] [--profile]
+                                  [--profile-case MODEL:STAGE] [--unused] [--peak-tflops T]
                                   [--smoke]
 """
 from __future__ import annotations
@@ -41,7 +43,8 @@ from benchmarks.overhead_worker import STRATEGY_PATCHES
 
 MODES = ('raw', 'runner', 'strategy')
 WORKER = osp.join(osp.dirname(osp.abspath(__file__)), 'overhead_worker.py')
-ITERS = {'gpt125m': (5, 30), 'gpt': (10, 80), 'tiny': (20, 200)}  # warm-up, measured
+# warm-up, measured
+ITERS = {'gpt125m': (5, 30), 'gpt': (10, 80), 'mlp': (10, 60), 'tiny': (20, 200)}
 SMOKE_ITERS = (2, 3)
 
 
@@ -119,11 +122,16 @@ def main() -> None:
                         help='bf16 peak per device for MFU (default: known GPUs only)')
     parser.add_argument('--unused', action='store_true',
                         help='also measure find_unused_parameters=True (ZeRO-2)')
+    parser.add_argument('--models', help='comma-separated, from gpt, mlp (fp32), tiny '
+                        '(default: gpt,tiny, and gpt125m on CUDA)')
+    parser.add_argument('--profile-case', default='tiny:2', metavar='MODEL:STAGE',
+                        help='what --profile profiles (default: tiny:2)')
     parser.add_argument('--json', metavar='FILE', help='also write every launch\'s result here')
     parser.add_argument('--smoke', action='store_true', help='seconds-long run for CI')
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
-    models = (['gpt125m'] if cuda else []) + ['gpt', 'tiny']
+    models = args.models.split(',') if args.models else \
+        (['gpt125m'] if cuda else []) + ['gpt', 'tiny']
     iters = dict(ITERS)
     rounds, stages = args.rounds, (2, 3)
     if args.smoke:
@@ -144,9 +152,10 @@ def main() -> None:
                         results[(model, stage, 'runner_find_unused')].append(
                             run('runner_find_unused', model, stage, iters[model], tmp))
         if args.profile:
+            name, stage_text = args.profile_case.split(':')
             for mode in MODES:
-                profiles[mode] = run(mode, 'tiny', 2, iters['tiny'], tmp,
-                                     profile=True)['profile_ms']
+                profiles[mode] = run(mode, name, int(stage_text), iters.get(name, ITERS[name]),
+                                     tmp, profile=True)['profile_ms']
     if args.json:
         with open(args.json, 'w', encoding='utf-8') as f:
             json.dump(dict(speed=[dict(r) for runs in results.values() for r in runs],
@@ -155,7 +164,8 @@ def main() -> None:
     print(speed_table(models, stages, results, peak))
     against = (f'MFU of the runner\'s fastest round against {peak} TFLOP/s per device' if peak
                else 'MFU n/a: no bf16 peak known for this device (--peak-tflops sets one)')
-    print(f'\n{rounds} round(s), {first["world"]} rank(s) on {first["device"]}, bf16, AdamW; '
+    print(f'\n{rounds} round(s), {first["world"]} rank(s) on {first["device"]}, '
+          'bf16 (mlp: fp32), AdamW; '
           f'{against}. Patches applied to the strategy run only:')
     for patch in STRATEGY_PATCHES:
         print(f'- {patch}')

@@ -141,7 +141,8 @@ def run_raw(model_name: str, stage: int, iters: int, recorder: Recorder) -> int:
     dataset = DATASETS.build(loader_cfg['dataset'])
     loader = DataLoader(dataset, batch_size=loader_cfg['batch_size'],
                         sampler=DistributedSampler(dataset, shuffle=True, seed=0))
-    config = dict(ds_config(stage), train_micro_batch_size_per_gpu=loader_cfg['batch_size'],
+    config = dict(ds_config(stage, model=model_name),
+                  train_micro_batch_size_per_gpu=loader_cfg['batch_size'],
                   gradient_accumulation_steps=1, steps_per_print=None,
                   zero_allow_untested_optimizer=True)
     engine, *_ = deepspeed.initialize(model=model, config=config,
@@ -186,7 +187,7 @@ def run_runner(model_name: str, stage: int, iters: int, work_dir: str,
 
     time_the_unused_parameter_check()
     cfg = mmengine_cfg(model_name, iters, work_dir)
-    cfg.update(runner_type='DeepSpeedRunner', ds_config=ds_config(stage))
+    cfg.update(runner_type='DeepSpeedRunner', ds_config=ds_config(stage, model=model_name))
     if find_unused:
         cfg['model_wrapper_cfg'] = dict(find_unused_parameters=True)
     runner = RUNNERS.build(Config(cfg))
@@ -217,7 +218,7 @@ def run_strategy(model_name: str, stage: int, iters: int, work_dir: str,
         torch.cuda.set_device(int(os.environ['LOCAL_RANK']))
     dist.init_process_group(BACKEND)
     cfg = mmengine_cfg(model_name, iters, work_dir)
-    config = ds_config(stage)
+    config = ds_config(stage, model=model_name)
     cfg['strategy'] = dict(type='DeepSpeedStrategy', zero_optimization=config['zero_optimization'],
                            bf16=config['bf16'],
                            train_micro_batch_size_per_gpu=BATCH[model_name])

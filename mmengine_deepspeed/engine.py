@@ -118,6 +118,14 @@ class DeepSpeedEngineWrapper(nn.Module):
         whole = self.__dict__['_whole_model']
         return whole if whole is not None else self.engine.module
 
+    def train(self, mode: bool = True) -> DeepSpeedEngineWrapper:
+        """Set training mode on every engine and the whole model (the loops call it)."""
+        super().train(mode)
+        for engine in self.engines.values():
+            engine.train(mode)
+        self.module.train(mode)
+        return self
+
     def train_step(self, data: Data, optim_wrapper: OptimWrapper) -> dict[str, torch.Tensor]:
         """Preprocess, forward in ``'loss'`` mode, parse losses, update.
 

@@ -72,6 +72,7 @@ class ToyGAN(BaseModel):
                                            nn.Linear(32, 1))
         self.generator_ema = copy.deepcopy(self.generator)
         set_requires_grad(self.generator_ema, False)
+        self.val_modes: list[bool] = []  # training flags of all submodules seen by val_step
 
     def init_weights(self) -> None:
         """Deterministic init, so every run starts from the same weights."""
@@ -112,6 +113,7 @@ class ToyGAN(BaseModel):
                     loss_g=loss_g.detach().float())
 
     def val_step(self, data: dict) -> list:
+        self.val_modes += [m.training for m in self.modules()]
         batch = self.data_preprocessor(data, False)
         return self(**batch, mode='predict')
 

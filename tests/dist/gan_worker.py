@@ -62,6 +62,7 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     with deepspeed.zero.GatheredParameters(list(module.parameters())):
         result['state'] = model_state(module)
     result['ema'] = ema_state(runner) if mode != 'plain' else None
+    result['val_modes'] = list(getattr(module, 'val_modes', []))
     engines = getattr(runner, 'engines', {})
     result.update(engines={n: type(e.module).__name__ for n, e in engines.items()},
                   engine_modules=dict(getattr(runner, 'engine_modules', {})),

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.dist
       'find_unused/runner min/med/max', 'check ms/iter')),
     ('benchmarks/memory.py', ('tensors vs 16Φ/N', 'tensors vs layout')),
     ('benchmarks/checkpoint_cost.py', ('save ratio min/med/max', 'zero_to_fp32 command s')),
-    ('benchmarks/gan.py', ('runner/raw min/med/max', 'ZeRO-2')),
+    ('benchmarks/gan.py --profile', ('runner/raw min/med/max', 'mmengine_deepspeed')),
 ])
 def test_benchmark_smoke(command: str, fragments: tuple[str, ...]) -> None:
     proc = run_command([sys.executable, *command.split(), '--smoke'], timeout=600)

@@ -100,6 +100,8 @@ def test_gan_trains_as_with_mmengine_runner(out: str, name: str) -> None:
     assert 'train/discriminator.grad_norm' in ours['scalars']
     assert 'train/grad_norm' not in ours['scalars']
     assert all(n > 0 for n in ours['grad_norm_d'])
+    # validation (after the last iteration) saw every submodule in eval mode, each engine's too
+    assert ours['val_modes'] and not any(ours['val_modes'])
 
 
 def test_bf16_submodules_get_their_inputs_cast(out: str) -> None:
