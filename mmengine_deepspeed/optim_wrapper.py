@@ -218,8 +218,9 @@ def begin_backward_at(loss: torch.Tensor, engine: DeepSpeedEngine) -> torch.Tens
     accumulated gradients wrongly. The same two calls are made here, the
     prologue from a hook on the loss so that it runs inside the backward as
     DeepSpeed's does; ``engine._backward_prologue`` is private, no public API
-    runs it, and tests/dist/test_gan.py (ZeRO-3 with accumulation against
-    MMEngine's Runner) pins it. ZeRO-0 engines need neither.
+    runs it, and ZeRO-3 with accumulation against MMEngine's Runner pins it
+    (tests/dist/test_gan.py; ``parity_custom_step_zero3_accum2`` in
+    tests/dist/test_train.py fails without it). ZeRO-0 engines need neither.
 
     Args:
         loss (torch.Tensor): The loss about to go to ``engine.backward``.
