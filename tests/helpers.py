@@ -7,11 +7,12 @@ Importing this module registers the components, so configs can name them.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -60,6 +61,32 @@ def run_torchrun(args: Sequence[str], nproc: int = 2, timeout: float = 240,
     cmd = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}',
            '--master_addr=127.0.0.1', f'--master_port={free_port()}', *torchrun_args, *args]
     return run_command(cmd, timeout=timeout, extra_env=extra_env)
+
+
+def launch_scenarios(worker: str, out: str, scenarios: Sequence[dict], nproc: int) -> str:
+    """Run a scenario worker (``tests/dist/*worker.py``) under torchrun; fail on a bad exit.
+
+    Args:
+        worker (str): The worker script, relative to the repository.
+        out (str): Its output directory; ``{out}`` in a scenario becomes it.
+        scenarios (Sequence[dict]): One JSON argument each.
+        nproc (int): Processes.
+
+    Returns:
+        str: What the ranks printed.
+    """
+    args = [json.dumps(s).replace('{out}', out) for s in scenarios]
+    proc = run_torchrun([worker, out, *args], nproc=nproc, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    return proc.stdout
+
+
+def run_scenarios(run: Callable[[str, dict], None]) -> None:
+    """A scenario worker's ``main``: ``argv`` is OUT_DIR, then one JSON scenario each."""
+    out_dir = sys.argv[1]
+    os.makedirs(out_dir, exist_ok=True)
+    for arg in sys.argv[2:]:
+        run(out_dir, json.loads(arg))
 
 
 def run_command(cmd: Sequence[str], timeout: float = 240,

@@ -23,7 +23,7 @@ from mmengine.runner import Runner
 
 import mmengine_deepspeed  # noqa: F401
 from mmengine_deepspeed import DeepSpeedRunner
-from tests.helpers import ema_state, model_state
+from tests.helpers import ema_state, model_state, run_scenarios
 from tests.toy_gan import ToyGAN, gan_config, gan_wrappers
 
 
@@ -72,12 +72,5 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     torch.save(result, osp.join(out_dir, f'{name}.rank{runner.rank}.pt'))
 
 
-def main() -> None:
-    out_dir = sys.argv[1]
-    os.makedirs(out_dir, exist_ok=True)
-    for arg in sys.argv[2:]:
-        run(out_dir, json.loads(arg))
-
-
 if __name__ == '__main__':
-    main()
+    run_scenarios(run)

@@ -19,7 +19,7 @@ from mmengine.runner import load_checkpoint
 from mmengine_deepspeed.checkpoint.export import consolidated_state_dict, export_checkpoint
 from mmengine_deepspeed.checkpoint.layout import read_meta
 from mmengine_deepspeed.cli import describe
-from tests.helpers import run_torchrun
+from tests.helpers import launch_scenarios
 from tests.toy_gan import ToyGAN
 
 pytestmark = pytest.mark.dist
@@ -56,20 +56,13 @@ RESHARD = [
 ]
 
 
-def _launch(out: str, scenarios: list[dict], nproc: int) -> str:
-    args = [json.dumps(s).replace('{out}', out) for s in scenarios]
-    proc = run_torchrun(['tests/dist/gan_worker.py', out, *args], nproc=nproc, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-8000:]
-    return proc.stdout
-
-
 @pytest.fixture(scope='module')
 def out(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = str(tmp_path_factory.mktemp('gan'))
     for name, scenarios, nproc in (('parity', PARITY, 1), ('resume', RESUME, 2),
                                    ('reshard', RESHARD, 1)):
         with open(osp.join(path, f'{name}.log'), 'w') as f:
-            f.write(_launch(path, scenarios, nproc))
+            f.write(launch_scenarios('tests/dist/gan_worker.py', path, scenarios, nproc))
     return path
 
 

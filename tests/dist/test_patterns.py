@@ -17,7 +17,7 @@ import torch
 from mmengine.runner import load_checkpoint
 
 from mmengine_deepspeed.checkpoint.export import consolidated_state_dict
-from tests.helpers import ToyScalarModel, free_port, run_command, run_torchrun
+from tests.helpers import ToyScalarModel, free_port, launch_scenarios, run_command, run_torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -74,10 +74,7 @@ RESUMED = [
 
 
 def _launch(out: str, scenarios: list[dict], nproc: int = WORLD) -> str:
-    args = [json.dumps(s).replace('{out}', out) for s in scenarios]
-    proc = run_torchrun(['tests/dist/worker.py', out, *args], nproc=nproc, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-8000:]
-    return proc.stdout
+    return launch_scenarios('tests/dist/worker.py', out, scenarios, nproc)
 
 
 @pytest.fixture(scope='module')

@@ -34,7 +34,14 @@ import mmengine_deepspeed  # noqa: F401
 from mmengine_deepspeed.checkpoint import save as save_module
 from mmengine_deepspeed.checkpoint.layout import MARKER_FILE
 from mmengine_deepspeed.dist import init_distributed
-from tests.helpers import ema_state, model_state, probe_inputs, recorder, toy_config
+from tests.helpers import (
+    ema_state,
+    model_state,
+    probe_inputs,
+    recorder,
+    run_scenarios,
+    toy_config,
+)
 
 
 def _as_test_only(cfg: dict) -> dict:
@@ -123,12 +130,5 @@ def run(out_dir: str, scenario: dict) -> None:
     torch.save(result, osp.join(out_dir, f'{name}.rank{runner.rank}.pt'))
 
 
-def main() -> None:
-    out_dir = sys.argv[1]
-    os.makedirs(out_dir, exist_ok=True)
-    for arg in sys.argv[2:]:
-        run(out_dir, json.loads(arg))
-
-
 if __name__ == '__main__':
-    main()
+    run_scenarios(run)
