@@ -62,8 +62,13 @@ class DeepSpeedEMAHook(EMAHook):
         self._trained: Optional[dict[str, torch.Tensor]] = None
 
     def take_template(self, model: nn.Module) -> None:
-        """Keep an fp32 copy of the bare model (called before ``deepspeed.initialize``)."""
-        self._template = copy.deepcopy(model).float()
+        """Keep an fp32 copy of the bare model (called before ``deepspeed.initialize``).
+
+        A model built partitioned (``zero.Init``) is gathered for the copy,
+        whose parameters are plain: the averaged model is whole on every rank.
+        """
+        with gathered(model):
+            self._template = copy.deepcopy(model).float()
 
     def before_run(self, runner: Any) -> None:
         """Build the averaged model from the fp32 template."""

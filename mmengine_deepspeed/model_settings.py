@@ -60,7 +60,8 @@ def fit_reduce_bucket(ds_config: dict, model: nn.Module) -> None:
     if zero_stage(ds_config) != 3 or not isinstance(zero, dict) \
             or 'reduce_bucket_size' in zero:
         return
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters()
+                    if p.requires_grad)
     zero['reduce_bucket_size'] = max(1, min(DEEPSPEED_REDUCE_BUCKET, trainable))
 
 

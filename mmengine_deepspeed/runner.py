@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import inspect
 import os.path as osp
-from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 import deepspeed
@@ -36,10 +35,11 @@ from mmengine.runner import EpochBasedTrainLoop, Runner
 from torch import nn
 from torch.optim import Optimizer
 
-from .checkpoint import io as ckpt_io
-from .checkpoint.layout import SINGLE_ENGINE, find_latest_complete
+from .activation import checkpoint_through_deepspeed, has_section
+from .checkpoint.layout import SINGLE_ENGINE
 from .checkpoint.loop import ResumableEpochBasedTrainLoop  # noqa: F401  registers it
 from .checkpoint.reshard import Layout, load_universal_if_needed
+from .checkpoint.runner_methods import CheckpointMethods
 from .config import (
     DsConfigSource,
     bf16_request,
@@ -49,7 +49,7 @@ from .config import (
 )
 from .dist import cuda_available, init_distributed, native_bf16, quiet_deepspeed
 from .ema import DeepSpeedEMAHook
-from .engine import gathered, overrides
+from .engine import overrides
 from .engines import (
     as_plain_wrappers,
     build_engines,
@@ -60,14 +60,23 @@ from .engines import (
 )
 from .hooks import deepspeed_custom_hooks, deepspeed_default_hooks
 from .monitor import banner, precision_note
+from .offload import check_nvme, cpu_optimizer
 from .optim_wrapper import DeepSpeedOptimWrapper
+from .partitioned import build_advice, gather_on_use, partitioned_construction
 from .unused import zero3_unsupported
 
 CAST_DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': None}
 
 
+def _from_cfg(cfg: Optional[Config], key: str, value: Any, default: Any) -> Any:
+    """A runner argument, else the config's key, else ``default``."""
+    if value is not None:
+        return value
+    return cfg.get(key, default) if cfg is not None else default
+
+
 @RUNNERS.register_module()
-class DeepSpeedRunner(Runner):
+class DeepSpeedRunner(CheckpointMethods):
     """A :class:`mmengine.runner.Runner` that trains through DeepSpeed.
 
     Takes every ``Runner`` argument plus ``ds_config``. With
@@ -86,6 +95,10 @@ class DeepSpeedRunner(Runner):
             beyond tensors and plain types. None reads
             ``cfg.allow_unsafe_checkpoints`` (default False).
             Defaults to None.
+        zero_init (bool, optional): Under ZeRO-3, build a model given as a
+            config inside ``deepspeed.zero.Init``, so that no rank holds it
+            whole (``partitioned.py``). None reads ``cfg.zero_init``
+            (default True). Defaults to None.
         **kwargs: Keyword arguments of :class:`mmengine.runner.Runner`.
     """
 
@@ -93,17 +106,17 @@ class DeepSpeedRunner(Runner):
     _find_unused_parameters: bool
 
     def __init__(self, *args: Any, ds_config: DsConfigSource = None,
-                 allow_unsafe_checkpoints: Optional[bool] = None, **kwargs: Any):
+                 allow_unsafe_checkpoints: Optional[bool] = None,
+                 zero_init: Optional[bool] = None, **kwargs: Any):
         bound = inspect.signature(Runner.__init__).bind(self, *args, **kwargs)
         arguments = bound.arguments
         cfg = arguments.get('cfg')
         cfg = Config(cfg) if isinstance(cfg, dict) and not isinstance(cfg, Config) else cfg
         if ds_config is None and cfg is not None:
             ds_config = cfg.get('ds_config')
-        if allow_unsafe_checkpoints is None:
-            allow_unsafe_checkpoints = bool(cfg.get('allow_unsafe_checkpoints', False)) \
-                if cfg is not None else False
-        self.allow_unsafe_checkpoints = allow_unsafe_checkpoints
+        self.allow_unsafe_checkpoints = bool(_from_cfg(
+            cfg, 'allow_unsafe_checkpoints', allow_unsafe_checkpoints, False))
+        self.zero_init = bool(_from_cfg(cfg, 'zero_init', zero_init, True))
         filename = getattr(cfg, 'filename', None)
         self._ds_config_source = ds_config
         self._config_dir = osp.dirname(osp.abspath(filename)) if filename else None
@@ -112,8 +125,9 @@ class DeepSpeedRunner(Runner):
                                      arguments.get('param_scheduler'))
         # Refuse a bad ds_config before any process group or file exists.
         for name in self._sides:
-            self._resolve_ds_config(name, world_size=None)
+            check_nvme(self._resolve_ds_config(name, world_size=None))
         self._weights_initialized = False
+        self._deepspeed_checkpointed: Optional[Any] = None
         self._resume_target: Optional[tuple[Optional[str]]] = None
         self.engines: dict[str, deepspeed.DeepSpeedEngine] = {}
         self.engine_modules: dict[str, str] = {}
@@ -136,6 +150,26 @@ class DeepSpeedRunner(Runner):
         init_distributed(self.launcher, env_cfg.get('dist_cfg'))
         super().setup_env(env_cfg)
         quiet_deepspeed(self.rank, verbose=self.cfg.get('log_level', 'INFO') == 'DEBUG')
+
+    def build_model(self, model: Union[nn.Module, dict]) -> nn.Module:
+        """MMEngine's ``build_model``; under ZeRO-3 a config is built partitioned.
+
+        Inside ``deepspeed.zero.Init`` each submodule is partitioned as soon
+        as it is built (in the ds_config's dtype), so the largest model
+        that fits is set by all ranks' memory together, not by one rank's.
+        """
+        ds_config = self._resolve_ds_config(next(iter(self._sides)), self.world_size)
+        advice = build_advice(model, ds_config, self.zero_init, len(self._sides))
+        if advice is not None:
+            self.logger.info(advice)
+        if not isinstance(model, dict) or advice is not None or not self.zero_init \
+                or zero_stage(ds_config) != 3:
+            return super().build_model(model)
+        with partitioned_construction(ds_config):
+            built = super().build_model(model)
+        self.logger.info('Built the model partitioned under ZeRO-3 (deepspeed.zero.Init); '
+                         'set zero_init=False to build it whole on every rank.')
+        return built
 
     def wrap_model(self, model_wrapper_cfg: Optional[dict], model: nn.Module) -> nn.Module:
         """Leave the model unwrapped: the engine needs the optimizer, built later.
@@ -166,11 +200,6 @@ class DeepSpeedRunner(Runner):
         sync_bn = self.cfg.get('sync_bn', None)
         return convert_sync_batchnorm(model, sync_bn) if sync_bn is not None else model
 
-    @property
-    def bare_model(self) -> nn.Module:
-        """The user's model, wrapped or not."""
-        return self.model.module if is_model_wrapper(self.model) else self.model
-
     def build_train_loop(self, loop: Any) -> Any:
         """MMEngine's train loop, with epoch-based loops able to resume mid-epoch."""
         if isinstance(loop, dict):
@@ -180,6 +209,20 @@ class DeepSpeedRunner(Runner):
                 loop['type'] = 'ResumableEpochBasedTrainLoop'
                 loop.pop('by_epoch', None)
         return super().build_train_loop(loop)
+
+    def train(self) -> nn.Module:
+        """MMEngine's ``train()``; listed ``activation_checkpointing`` modules go
+        through DeepSpeed's checkpoint when ds_config has that section (``activation.py``)."""
+        listed = self.cfg.get('activation_checkpointing')
+        if listed is None or not has_section(self._resolve_ds_config(next(iter(self._sides)),
+                                                                      self.world_size)):
+            return super().train()
+        self._deepspeed_checkpointed = self.cfg.pop('activation_checkpointing')
+        try:
+            return super().train()
+        finally:
+            self.cfg['activation_checkpointing'] = listed
+            self._deepspeed_checkpointed = None
 
     def _init_model_weights(self) -> None:
         """Run ``init_weights()`` once, before DeepSpeed partitions anything.
@@ -194,7 +237,8 @@ class DeepSpeedRunner(Runner):
             raise RuntimeError('init_weights() must run before the DeepSpeed engine is built.')
         model = self.bare_model
         if hasattr(model, 'init_weights'):
-            getattr(model, 'init_weights')()  # noqa: B009  (nn.Module typing)
+            with gather_on_use(model):
+                getattr(model, 'init_weights')()  # noqa: B009  (nn.Module typing)
         self._weights_initialized = True
 
     def build_optim_wrapper(
@@ -215,16 +259,25 @@ class DeepSpeedRunner(Runner):
                     isinstance(w, DeepSpeedOptimWrapper) for w in optim_wrapper.values())):
             return optim_wrapper
         self._init_model_weights()
+        ds_config = self._resolve_ds_config(next(iter(self._sides)), self.world_size)
+        if has_section(ds_config):
+            wrapped = checkpoint_through_deepspeed(self.bare_model,
+                                                   self._deepspeed_checkpointed or [], ds_config)
+            self.logger.info('DeepSpeed activation checkpointing configured; modules through '
+                             f'its checkpoint: {", ".join(wrapped) or "none listed"}.')
         optimizers = named_optimizers(super().build_optim_wrapper(as_plain_wrappers(optim_wrapper)))
-        configs = self._build_engines(optimizers)
-        return wrap_optimizers(self.engines, optimizers, configs, self._find_unused_parameters,
+        configs, stepped = self._build_engines(optimizers)
+        return wrap_optimizers(self.engines, {k: v for k, v in stepped.items() if v is not None},
+                               configs, self._find_unused_parameters,
                                own_train_step=overrides(self.bare_model, 'train_step'))
 
-    def _build_engines(self, optimizers: Mapping[str, Optional[Optimizer]]) -> dict[str, dict]:
+    def _build_engines(self, optimizers: Mapping[str, Optional[Optimizer]]
+                       ) -> tuple[dict[str, dict], dict[str, Optional[Optimizer]]]:
         """One engine per optimizer; ``runner.model`` becomes their wrapper.
 
         Returns:
-            dict[str, dict]: The resolved ds_config of each engine.
+            tuple: The resolved ds_config of each engine, and the optimizers
+            the engines step (DeepSpeed's CPU Adam where ZeRO offloads).
         """
         if self.engines:
             raise RuntimeError(
@@ -241,6 +294,12 @@ class DeepSpeedRunner(Runner):
             self._find_unused_parameters = False
         if not training and stage in (1, 2):
             self.logger.info(evaluation_stage(configs))
+        optimizers = dict(optimizers)
+        for name, optimizer in optimizers.items():
+            if optimizer is not None:
+                optimizers[name], note = cpu_optimizer(optimizer, configs[name])
+                if note is not None:
+                    self.logger.info(note)
         if self._load_from is not None and not self._resume and not self._has_loaded:
             # Into the bare model, so DeepSpeed partitions (and keeps fp32
             # masters of) the loaded weights.
@@ -263,7 +322,7 @@ class DeepSpeedRunner(Runner):
                               precision(self.ds_config), cuda_available())
         if note is not None:
             self.logger.warning(note)
-        return configs
+        return configs, optimizers
 
     def _ensure_engine(self) -> None:
         if not self.engines:
@@ -283,119 +342,7 @@ class DeepSpeedRunner(Runner):
         """MMEngine's default hooks, with the crash-safe checkpoint hook (``hooks.py``)."""
         super().register_default_hooks(deepspeed_default_hooks(hooks))
 
-    def load_checkpoint(self, filename: str, map_location: Any = 'cpu', strict: bool = False,
-                        revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)) -> dict:
-        """Load weights (our checkpoint directory, ``.pth`` or ``.safetensors``).
-
-        Before the engine exists (``load_from``) the weights go into the bare
-        model; into an evaluation engine they are written under
-        ``GatheredParameters`` (ZeRO-3). A training engine keeps fp32
-        masters the weights would not reach: use ``load_from`` (or
-        ``resume``) instead. ``map_location`` is accepted for MMEngine
-        compatibility; weights are read on CPU.
-
-        Args:
-            filename (str): What to load.
-            map_location (Any): Ignored. Defaults to ``'cpu'``.
-            strict (bool): Refuse missing or unexpected keys. Defaults to False.
-            revise_keys (Sequence[tuple[str, str]]): ``(pattern, replacement)``
-                rewrites of the checkpoint's keys. Defaults to stripping
-                ``module.``.
-
-        Returns:
-            dict: ``{'meta': ..., 'state_dict': ...}``.
-        """
-        engine = next(iter(self.engines.values()), None)
-        if engine is not None and engine.client_optimizer is not None:
-            raise RuntimeError(
-                f'load_checkpoint({filename!r}) after the training engine was built would not '
-                'reach its fp32 master weights; set load_from (or resume) before train().')
-        model = self.bare_model
-        with gathered(model, modify=True) if engine is not None else nullcontext():
-            checkpoint = ckpt_io.load_weights_into(
-                model, filename, strict=strict, revise_keys=list(revise_keys),
-                allow_unsafe=self.allow_unsafe_checkpoints, logger=self.logger)
-        self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
-        self._has_loaded = True
-        return checkpoint
-
     def register_hooks(self, default_hooks: Optional[dict] = None,
                        custom_hooks: Optional[list] = None) -> None:
         """MMEngine's hooks, with ``EMAHook`` made DeepSpeed-aware and a ThroughputHook."""
         super().register_hooks(default_hooks, deepspeed_custom_hooks(custom_hooks))
-
-    def save_checkpoint(self, out_dir: str, filename: str,
-                        file_client_args: Optional[dict] = None, save_optimizer: bool = True,
-                        save_param_scheduler: bool = True, meta: Optional[dict] = None,
-                        by_epoch: bool = True, backend_args: Optional[dict] = None) -> None:
-        """Save a checkpoint directory on every rank (MMEngine's is rank 0 only).
-
-        Called by CheckpointHook on all ranks; arguments as
-        :meth:`mmengine.runner.Runner.save_checkpoint`. DeepSpeed always
-        writes the optimizer partitions, so ``save_optimizer=False`` still
-        saves them.
-        """
-        if file_client_args is not None or backend_args is not None:
-            raise ValueError('DeepSpeedRunner saves checkpoints to a local (or mounted) '
-                             'directory; remove file_client_args / backend_args.')
-        if not self.engines:
-            raise RuntimeError('There is no DeepSpeed engine to save yet; call train() first.')
-        meta = dict(meta or {})
-        if by_epoch:
-            meta.setdefault('epoch', self.epoch + 1)
-            meta.setdefault('iter', self.iter)
-        else:
-            meta.setdefault('epoch', self.epoch)
-            meta.setdefault('iter', self.iter + 1)
-        ckpt_io.save(self, osp.join(out_dir, filename), meta, save_param_scheduler)
-
-    def resume(self, filename: str, resume_optimizer: bool = True,
-               resume_param_scheduler: bool = True, map_location: Any = 'default') -> None:
-        """Resume everything from checkpoint directory ``filename`` (collective).
-
-        Engine (weights and optimizer partitions), loop position, param
-        schedulers, message hub, this rank's RNG state and hooks' state come
-        back exactly. ``resume_optimizer``, ``resume_param_scheduler`` and
-        ``map_location`` are accepted for MMEngine compatibility; DeepSpeed
-        places the state itself.
-        """
-        self._ensure_engine()
-        client = ckpt_io.resume(self, filename, self.allow_unsafe_checkpoints)
-        resumed_seed = client['meta'].get('seed')
-        if resumed_seed is not None and resumed_seed != self._randomness_cfg.get('seed'):
-            self.logger.warning(f'Resumed seed {resumed_seed} differs from the config seed '
-                                f'{self._randomness_cfg.get("seed")}; the checkpoint\'s is kept.')
-        self._has_loaded = True
-        self.logger.info(f'Resumed from {filename}: epoch {self.epoch}, iter {self.iter}')
-
-    def _resume_path(self) -> Optional[str]:
-        """The checkpoint ``resume=True`` resumes from (found once, then cached)."""
-        if not self._resume:
-            return None
-        if self._resume_target is None:
-            path = self._load_from
-            if path is None:
-                path, skipped = find_latest_complete(self.work_dir)
-                for incomplete in skipped:
-                    self.logger.warning(f'Skipping incomplete checkpoint {incomplete} '
-                                        '(its save did not finish).')
-            self._resume_target = (path,)
-        return self._resume_target[0]
-
-    def load_or_resume(self) -> None:
-        """Resume (latest complete checkpoint, or ``load_from``) or load weights.
-
-        Incomplete checkpoint directories (a save that was killed) are
-        skipped with a warning.
-        """
-        if self._has_loaded:
-            return
-        if self._resume:
-            path = self._resume_path()
-            if path is not None:
-                self.resume(path)
-            else:
-                self.logger.info(f'resume=True but no complete checkpoint in {self.work_dir}; '
-                                 'starting from scratch.')
-        # load_from without resume was applied to the bare model in _build_engine.
-        self._has_loaded = True

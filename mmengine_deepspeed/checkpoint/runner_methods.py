@@ -1,0 +1,148 @@
+"""MMEngine's Runner checkpoint methods on checkpoint directories, for DeepSpeedRunner.
+
+``save_checkpoint``, ``resume``, ``load_or_resume`` and ``load_checkpoint``
+keep MMEngine's signatures and meaning; what differs is that every rank takes
+part (a checkpoint is a directory of DeepSpeed shards plus our client state)
+and that loading never unpickles untrusted files by default.
+"""
+from __future__ import annotations
+
+import os.path as osp
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+from mmengine.model import is_model_wrapper
+from mmengine.runner import Runner
+from torch import nn
+
+from ..engine import gathered
+from ..partitioned import gather_on_use
+from . import io as ckpt_io
+from .layout import find_latest_complete
+
+
+class CheckpointMethods(Runner):
+    """The Runner's checkpoint API; mixed into :class:`DeepSpeedRunner`."""
+
+    engines: dict
+    allow_unsafe_checkpoints: bool
+    _resume_target: Optional[tuple[Optional[str]]]
+
+    _ensure_engine: Callable[[], None]
+
+    @property
+    def bare_model(self) -> nn.Module:
+        """The user's model, wrapped or not."""
+        return self.model.module if is_model_wrapper(self.model) else self.model
+
+    def load_checkpoint(self, filename: str, map_location: Any = 'cpu', strict: bool = False,
+                        revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)) -> dict:
+        """Load weights (our checkpoint directory, ``.pth`` or ``.safetensors``).
+
+        Before the engine exists (``load_from``) the weights go into the bare
+        model; into an evaluation engine they are written under
+        ``GatheredParameters`` (ZeRO-3). A training engine keeps fp32
+        masters the weights would not reach: use ``load_from`` (or
+        ``resume``) instead. ``map_location`` is accepted for MMEngine
+        compatibility; weights are read on CPU.
+
+        Args:
+            filename (str): What to load.
+            map_location (Any): Ignored. Defaults to ``'cpu'``.
+            strict (bool): Refuse missing or unexpected keys. Defaults to False.
+            revise_keys (Sequence[tuple[str, str]]): ``(pattern, replacement)``
+                rewrites of the checkpoint's keys. Defaults to stripping
+                ``module.``.
+
+        Returns:
+            dict: ``{'meta': ..., 'state_dict': ...}``.
+        """
+        engine = next(iter(self.engines.values()), None)
+        if engine is not None and engine.client_optimizer is not None:
+            raise RuntimeError(
+                f'load_checkpoint({filename!r}) after the training engine was built would not '
+                'reach its fp32 master weights; set load_from (or resume) before train().')
+        model = self.bare_model
+        with gathered(model, modify=True) if engine is not None else gather_on_use(model):
+            checkpoint = ckpt_io.load_weights_into(
+                model, filename, strict=strict, revise_keys=list(revise_keys),
+                allow_unsafe=self.allow_unsafe_checkpoints, logger=self.logger)
+        self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
+        self._has_loaded = True
+        return checkpoint
+
+    def save_checkpoint(self, out_dir: str, filename: str,
+                        file_client_args: Optional[dict] = None, save_optimizer: bool = True,
+                        save_param_scheduler: bool = True, meta: Optional[dict] = None,
+                        by_epoch: bool = True, backend_args: Optional[dict] = None) -> None:
+        """Save a checkpoint directory on every rank (MMEngine's is rank 0 only).
+
+        Called by CheckpointHook on all ranks; arguments as
+        :meth:`mmengine.runner.Runner.save_checkpoint`. DeepSpeed always
+        writes the optimizer partitions, so ``save_optimizer=False`` still
+        saves them.
+        """
+        if file_client_args is not None or backend_args is not None:
+            raise ValueError('DeepSpeedRunner saves checkpoints to a local (or mounted) '
+                             'directory; remove file_client_args / backend_args.')
+        if not self.engines:
+            raise RuntimeError('There is no DeepSpeed engine to save yet; call train() first.')
+        meta = dict(meta or {})
+        if by_epoch:
+            meta.setdefault('epoch', self.epoch + 1)
+            meta.setdefault('iter', self.iter)
+        else:
+            meta.setdefault('epoch', self.epoch)
+            meta.setdefault('iter', self.iter + 1)
+        ckpt_io.save(self, osp.join(out_dir, filename), meta, save_param_scheduler)
+
+    def resume(self, filename: str, resume_optimizer: bool = True,
+               resume_param_scheduler: bool = True, map_location: Any = 'default') -> None:
+        """Resume everything from checkpoint directory ``filename`` (collective).
+
+        Engine (weights and optimizer partitions), loop position, param
+        schedulers, message hub, this rank's RNG state and hooks' state come
+        back exactly. ``resume_optimizer``, ``resume_param_scheduler`` and
+        ``map_location`` are accepted for MMEngine compatibility; DeepSpeed
+        places the state itself.
+        """
+        self._ensure_engine()
+        client = ckpt_io.resume(self, filename, self.allow_unsafe_checkpoints)
+        resumed_seed = client['meta'].get('seed')
+        if resumed_seed is not None and resumed_seed != self._randomness_cfg.get('seed'):
+            self.logger.warning(f'Resumed seed {resumed_seed} differs from the config seed '
+                                f'{self._randomness_cfg.get("seed")}; the checkpoint\'s is kept.')
+        self._has_loaded = True
+        self.logger.info(f'Resumed from {filename}: epoch {self.epoch}, iter {self.iter}')
+
+    def _resume_path(self) -> Optional[str]:
+        """The checkpoint ``resume=True`` resumes from (found once, then cached)."""
+        if not self._resume:
+            return None
+        if self._resume_target is None:
+            path = self._load_from
+            if path is None:
+                path, skipped = find_latest_complete(self.work_dir)
+                for incomplete in skipped:
+                    self.logger.warning(f'Skipping incomplete checkpoint {incomplete} '
+                                        '(its save did not finish).')
+            self._resume_target = (path,)
+        return self._resume_target[0]
+
+    def load_or_resume(self) -> None:
+        """Resume (latest complete checkpoint, or ``load_from``) or load weights.
+
+        Incomplete checkpoint directories (a save that was killed) are
+        skipped with a warning.
+        """
+        if self._has_loaded:
+            return
+        if self._resume:
+            path = self._resume_path()
+            if path is not None:
+                self.resume(path)
+            else:
+                self.logger.info(f'resume=True but no complete checkpoint in {self.work_dir}; '
+                                 'starting from scratch.')
+        # load_from without resume was applied to the bare model in _build_engine.
+        self._has_loaded = True
