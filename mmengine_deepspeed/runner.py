@@ -4,11 +4,15 @@ MMEngine wraps the model in ``Runner.__init__`` but builds the optimizer only
 in ``train()``; ``deepspeed.initialize`` needs both at once. This runner owns
 that ordering in one place, ``_build_engines``:
 
-1. the model is built by MMEngine and left unwrapped in ``__init__``;
-2. ``init_weights()`` runs once, before anything is partitioned;
+1. the model is built by MMEngine and left unwrapped in ``__init__`` (under
+   ZeRO-3, from a config, inside ``deepspeed.zero.Init``: ``partitioned.py``);
+2. ``init_weights()`` runs once, before the engine exists (on a partitioned
+   model with each parameter gathered as it is touched);
 3. the optimizer(s) are built from ``optim_wrapper`` by MMEngine's own
    machinery (``paramwise_cfg``, custom constructors, ``auto_scale_lr``);
 4. the ds_config is resolved against the MMEngine config (``config.py``);
+   where ZeRO offloads the optimizer, DeepSpeed's CPU Adam replaces a torch
+   Adam(W) (``offload.py``);
 5. ``engines.py`` builds one engine per optimizer: ``runner.model`` becomes a
    :class:`DeepSpeedEngineWrapper` and ``runner.optim_wrapper`` a
    :class:`DeepSpeedOptimWrapper` (an ``OptimWrapperDict`` of them for

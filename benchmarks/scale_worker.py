@@ -1,0 +1,133 @@
+"""One rank of the scale benchmark: build a TinyGPT with DeepSpeedRunner, train, report memory.
+
+Usage: ``scale_worker.py CASE WIDTH DEPTH STEPS``, CASE one of ``scale.CASES``.
+Rank 0 prints ``RESULT {json}`` with the maximum over ranks of:
+
+* ``construct_mb``: peak memory rise while ``DeepSpeedRunner.from_cfg`` builds
+  the model (on CPU the peak RSS, VmHWM, reset first; on CUDA the allocator's
+  peak), after a warm-up runner around a one-block model has paid for what
+  costs the same at any size (process group, DeepSpeed's communication
+  buffers, imports);
+* ``train_mb``: the peak rise from the same starting point through building the
+  engine and ``STEPS`` training steps;
+* ``steady_mb``: what is held after the steps (CPU: RSS after glibc's
+  ``malloc_trim``, so memory malloc keeps for reuse is not counted; CUDA: the
+  allocated bytes).
+
+fp32 AdamW (DeepSpeed's CPU Adam where the optimizer is offloaded, which the
+runner swaps in by itself), batch 1 of 64 tokens, bucket sizes of 5e6
+elements so that ZeRO's buffers do not dwarf small models.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from mmengine.config import Config
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import benchmarks.common  # noqa: E402,F401  registers RandomTokens
+import mmengine_deepspeed.demo  # noqa: E402,F401  registers the runner and TinyGPT
+from mmengine_deepspeed import DeepSpeedRunner  # noqa: E402
+
+BUCKET = 5_000_000
+# name -> (ZeRO stage, zero_init, offload optimizer and parameters to the CPU)
+CASES = {'zero0': (0, False, False), 'zero3': (3, False, False),
+         'zero3_init': (3, True, False), 'zero3_init_offload': (3, True, True)}
+
+
+def _kib(field: str) -> int:
+    with open('/proc/self/status') as status:
+        for line in status:
+            if line.startswith(field + ':'):
+                return int(line.split()[1])
+    raise RuntimeError(f'no {field} in /proc/self/status')
+
+
+def reset_peak() -> float:
+    """Start a new peak; returns the current figure in MiB."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated() / 2**20
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL('libc.so.6').malloc_trim(0)
+    with open('/proc/self/clear_refs', 'w') as refs:
+        refs.write('5')
+    return _kib('VmRSS') / 1024
+
+
+def peak() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return _kib('VmHWM') / 1024
+
+
+def held() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.memory_allocated() / 2**20
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL('libc.so.6').malloc_trim(0)
+    return _kib('VmRSS') / 1024
+
+
+def config(case: str, width: int, depth: int, steps: int, work_dir: str) -> dict:
+    stage, zero_init, offload = CASES[case]
+    zero: dict[str, Any] = dict(stage=stage, reduce_bucket_size=BUCKET,
+                                allgather_bucket_size=BUCKET)
+    if stage == 3:
+        zero.update(stage3_prefetch_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
+    if offload:
+        zero.update(offload_optimizer={'device': 'cpu'}, offload_param={'device': 'cpu'})
+    backend = 'nccl' if torch.cuda.is_available() else 'gloo'
+    return dict(
+        model=dict(type='TinyGPT', block_size=64, width=width, depth=depth,
+                   heads=max(1, width // 64), data_preprocessor=dict(type='BaseDataPreprocessor')),
+        work_dir=work_dir,
+        train_dataloader=dict(batch_size=1, num_workers=0,
+                              dataset=dict(type='RandomTokens', size=64, block_size=64),
+                              sampler=dict(type='DefaultSampler', shuffle=False),
+                              collate_fn=dict(type='default_collate')),
+        train_cfg=dict(by_epoch=False, max_iters=steps),
+        optim_wrapper=dict(optimizer=dict(type='AdamW', lr=1e-4)),
+        ds_config=dict(zero_optimization=zero, steps_per_print=10**9),
+        zero_init=zero_init,
+        default_hooks=dict(logger=dict(type='LoggerHook', interval=10**6), checkpoint=None),
+        log_level='WARNING', randomness=dict(seed=0), launcher='pytorch',
+        env_cfg=dict(dist_cfg=dict(backend=backend)))
+
+
+def main() -> None:
+    case, (width, depth, steps) = sys.argv[1], map(int, sys.argv[2:5])
+    with tempfile.TemporaryDirectory() as work_dir:
+        DeepSpeedRunner.from_cfg(Config(config(case, width, 1, steps, work_dir)))
+        base = reset_peak()
+        runner = DeepSpeedRunner.from_cfg(Config(config(case, width, depth, steps, work_dir)))
+        construct = peak() - base
+        params = sum(int(getattr(p, 'ds_numel', p.numel())) for p in runner.model.parameters())
+        largest = max(sum(int(getattr(p, 'ds_numel', p.numel()))
+                          for p in m.parameters(recurse=False)) for m in runner.model.modules())
+        runner.train()
+        train, steady = peak() - base, held() - base
+    value = torch.tensor([construct, train, steady], dtype=torch.float64,
+                         device='cuda' if torch.cuda.is_available() else 'cpu')
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        print('RESULT ' + json.dumps(dict(
+            case=case, width=width, depth=depth, params=params, largest_layer=largest,
+            construct_mb=float(value[0]), train_mb=float(value[1]), steady_mb=float(value[2]),
+            world=dist.get_world_size(), cuda=torch.cuda.is_available())), flush=True)
+
+
+if __name__ == '__main__':
+    main()
