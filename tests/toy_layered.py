@@ -2,7 +2,7 @@
 
 ``LayeredModel`` has what initialisation under ZeRO-3 gets wrong: an
 ``init_cfg`` list (Normal for Linear layers, Constant for BatchNorm, Xavier
-overriding one layer), a ``backbone`` with ``Pretrained`` + ``prefix``
+and Kaiming overriding one layer each), a ``backbone`` with ``Pretrained`` + ``prefix``
 when a checkpoint is given, a model ``init_weights`` that calls
 ``trunc_normal_`` on a parameter and ``.data.normal_()`` on a frozen layer,
 tied weights, a 0-dim parameter, a buffer, BatchNorm and a custom data
@@ -66,11 +66,13 @@ class LayeredModel(BaseModel):
         super().__init__(
             data_preprocessor=dict(type='ToyPreprocessor'),
             init_cfg=[dict(type='Normal', layer='Linear', std=0.05, bias=0.01,
-                           override=dict(type='Xavier', name='head')),
+                           override=[dict(type='Xavier', name='head'),
+                                     dict(type='Kaiming', name='neck')]),
                       dict(type='Constant', layer='BatchNorm1d', val=1.0, bias=0.0)])
         backbone_init = None if pretrained is None else dict(
             type='Pretrained', checkpoint=pretrained, prefix='backbone.')
         self.backbone = Backbone(width, depth, init_cfg=backbone_init)
+        self.neck = nn.Linear(width, width)
         self.head = nn.Linear(width, NUM_CLASSES)
         # Tied: the auxiliary input projection is the stem's weight.
         self.aux = nn.Linear(IN_FEATURES, width, bias=False)
@@ -90,7 +92,7 @@ class LayeredModel(BaseModel):
     def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 mode: str = 'tensor') -> Any:
         features = self.backbone(inputs) + self.pos + 0.1 * self.aux(inputs)
-        features = features + 0.1 * self.frozen(features)
+        features = features + 0.1 * self.frozen(features) + 0.1 * self.neck(features)
         logits = self.head(features) * self.logit_scale.exp() * self.gain
         if mode == 'loss':
             return dict(loss=nn.functional.cross_entropy(logits.float(), labels))

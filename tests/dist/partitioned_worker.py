@@ -17,6 +17,7 @@ Each rank writes ``OUT_DIR/NAME.rankR.pt``.
 """
 from __future__ import annotations
 
+import gc
 import os
 import os.path as osp
 from typing import Any
@@ -29,7 +30,7 @@ from mmengine.registry import HOOKS
 
 import mmengine_deepspeed  # noqa: F401
 from mmengine_deepspeed import DeepSpeedRunner
-from mmengine_deepspeed.partitioned import is_partitioned
+from mmengine_deepspeed.partitioned import is_partitioned, return_freed_memory
 from tests.helpers import ema_state, model_state, run_scenarios, toy_config
 import tests.toy_layered  # noqa: F401  registers LayeredModel
 
@@ -84,6 +85,8 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     result: dict[str, Any] = dict(name=name)
     if mode == 'memory':
         _warm_up(cfg)
+        gc.collect()
+        return_freed_memory()  # RSS = live memory: freed heap would be reused unseen
         with open('/proc/self/clear_refs', 'w') as refs:
             refs.write('5')  # peak RSS (VmHWM) := current RSS
         before = _kib('VmRSS')

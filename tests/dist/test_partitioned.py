@@ -77,7 +77,7 @@ def test_construction_holds_half_the_model_per_rank(results: dict) -> None:
 
 
 def test_initialisation_is_exact(results: dict) -> None:
-    """init_cfg (Normal, Constant, Xavier override, Pretrained with prefix), the model's
+    """init_cfg (Normal, Constant, Xavier and Kaiming overrides, Pretrained with prefix), the model's
     own trunc_normal_ and .data.normal_(), tied weights, the 0-dim parameter, buffers and
     BatchNorm: the same tensors with and without zero.Init, then the same training."""
     for whole, partitioned in zip(results['whole'], results['partitioned']):
