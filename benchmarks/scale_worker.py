@@ -35,9 +35,9 @@ from mmengine.config import Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import benchmarks.common  # noqa: E402,F401  registers RandomTokens
-import mmengine_deepspeed.demo  # noqa: E402,F401  registers the runner and TinyGPT
-from mmengine_deepspeed import DeepSpeedRunner  # noqa: E402
+import benchmarks.common  # noqa: F401  registers RandomTokens
+import mmengine_deepspeed.demo  # noqa: F401  registers the runner and TinyGPT
+from mmengine_deepspeed import DeepSpeedRunner
 
 BUCKET = 5_000_000
 # name -> (ZeRO stage, zero_init, offload optimizer and parameters to the CPU)

@@ -196,10 +196,43 @@ def init_distributed(launcher: str, dist_cfg: Optional[Mapping[str, Any]] = None
     os.environ.update(env)
     if has_cuda:
         torch.cuda.set_device(int(env['LOCAL_RANK']) % torch.cuda.device_count())
-    torch_dist.init_process_group(backend=backend, init_method='env://',
-                                  rank=int(env['RANK']), world_size=int(env['WORLD_SIZE']),
-                                  timeout=timeout)
-    atexit.register(_destroy_process_group)
+    rank, world_size = int(env['RANK']), int(env['WORLD_SIZE'])
+    if _worlds_created[0] == 0:
+        torch_dist.init_process_group(backend=backend, init_method='env://', rank=rank,
+                                      world_size=world_size, timeout=timeout)
+        atexit.register(_destroy_process_group)
+    else:
+        # A world after one that was destroyed in this process: the rendezvous
+        # store still holds the old world's addresses under torch's default
+        # keys, and gloo would connect to them; a fresh key prefix avoids them.
+        store, _, _ = next(torch_dist.rendezvous('env://', rank, world_size, timeout=timeout))
+        store = torch_dist.PrefixStore(f'mmengine_deepspeed/world{_worlds_created[0]}/', store)
+        torch_dist.init_process_group(backend=backend, store=store, rank=rank,
+                                      world_size=world_size, timeout=timeout)
+        forget_destroyed_groups()
+    _worlds_created[0] += 1
+
+
+# Worlds this process has created (a list, to be updated in place).
+_worlds_created = [0]
+
+
+def forget_destroyed_groups() -> None:
+    """Drop DeepSpeed's references to the process groups of an earlier world.
+
+    DeepSpeed caches a clone of the world group (and its parallel groups) in
+    ``deepspeed.utils.groups`` and releases them only when the world is torn
+    down through ``deepspeed.comm.destroy_process_group``. After
+    ``torch.distributed.destroy_process_group()`` (scripts, notebooks, sweeps,
+    test suites) the next ``deepspeed.initialize`` would use the dead clone
+    ("Group ... is not registered"). Called right after a new world group is
+    created, when every cached group necessarily belongs to the old world.
+    ``_release_process_group_references`` is private (DeepSpeed's own
+    ``destroy_process_group`` calls it); tests/dist/test_runner_contract.py
+    trains a second runner after destroying the first one's group.
+    """
+    from deepspeed.utils import groups
+    groups._release_process_group_references(group=None)
 
 
 # How long a finishing rank waits at exit for the others to finish too.

@@ -206,7 +206,8 @@ class DeepSpeedRunner(CheckpointMethods):
 
     def build_train_loop(self, loop: Any) -> Any:
         """MMEngine's train loop, with epoch-based loops able to resume mid-epoch."""
-        if isinstance(loop, dict):
+        # Both `type` and `by_epoch` are left for MMEngine to refuse, as it does.
+        if isinstance(loop, dict) and not ('type' in loop and 'by_epoch' in loop):
             loop = dict(loop)
             if loop.get('type') in ('EpochBasedTrainLoop', EpochBasedTrainLoop) \
                     or ('type' not in loop and loop.get('by_epoch')):
@@ -284,7 +285,11 @@ class DeepSpeedRunner(CheckpointMethods):
             the engines step (DeepSpeed's CPU Adam where ZeRO offloads).
         """
         if self.engines:
+            trained = any(e.client_optimizer is not None for e in self.engines.values())
             raise RuntimeError(
+                'The DeepSpeed engines were already built with their optimizers (train() or '
+                'build_optim_wrapper() ran); use runner.optim_wrapper, or build a new runner '
+                'to train with another optimizer.' if trained else
                 'The DeepSpeed engine was already built without an optimizer by val()/test(); '
                 'call train() first, or build a new runner for training.')
         model = self.bare_model

@@ -338,3 +338,9 @@ def test_emulated_bf16_is_named_with_its_cost_and_the_fix(monkeypatch: Any) -> N
     assert monitor.precision_note(True, 'bf16', on_cuda=True) is None
     monkeypatch.setattr(monitor, 'native_bf16', lambda: True)
     assert monitor.precision_note(True, 'bf16', on_cuda=False) is None
+
+
+def test_train_cfg_with_type_and_by_epoch_is_refused_as_mmengine_does(tmp_path: Any) -> None:
+    runner = DeepSpeedRunner(**toy_config(str(tmp_path)))
+    with pytest.raises(RuntimeError, match='Only one of `type` or `by_epoch`'):
+        runner.build_train_loop(dict(type='EpochBasedTrainLoop', by_epoch=True, max_epochs=1))

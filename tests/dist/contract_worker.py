@@ -1,0 +1,47 @@
+"""One rank of a Runner-contract test: several runners in one process, as scripts,
+notebooks and sweeps build them.
+
+Usage (under torchrun): ``contract_worker.py OUT_DIR SCENARIO_JSON [...]``. Each scenario
+``{"name": ..., "cfg": {toy_config kwargs}}`` trains a ``DeepSpeedRunner`` and validates;
+``"destroy": true`` then calls ``torch.distributed.destroy_process_group()``, and
+``"rebuild": true`` calls ``build_optim_wrapper`` once more and keeps its error. Each rank
+writes ``OUT_DIR/NAME.rankR.pt`` (trained weights, val metrics, the error).
+"""
+from __future__ import annotations
+
+import os
+import os.path as osp
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from mmengine.config import Config
+
+import mmengine_deepspeed  # noqa: F401
+from mmengine_deepspeed import DeepSpeedRunner
+from tests.helpers import model_state, run_scenarios, toy_config
+
+
+def run(out_dir: str, scenario: dict[str, Any]) -> None:
+    name = scenario['name']
+    cfg = toy_config(osp.join(out_dir, name), **scenario['cfg'])
+    cfg['launcher'] = 'pytorch'
+    runner = DeepSpeedRunner.from_cfg(Config(cfg))
+    runner.train()
+    result: dict[str, Any] = dict(metrics=dict(runner.val()))
+    module = runner.model.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        result['state'] = model_state(module)
+    if scenario.get('rebuild'):
+        try:
+            runner.build_optim_wrapper(cfg['optim_wrapper'])
+        except RuntimeError as e:
+            result['rebuild_error'] = str(e)
+    torch.save(result, osp.join(out_dir, f'{name}.rank{os.environ["RANK"]}.pt'))
+    if scenario.get('destroy'):
+        dist.destroy_process_group()
+
+
+if __name__ == '__main__':
+    run_scenarios(run)

@@ -1,0 +1,60 @@
+"""MMEngine's Runner contract beyond train(): several runners in one process.
+
+Two launches (see ``contract_worker.py``): 2 ranks through ZeRO 0-3, and 1 rank. A runner
+trains after another one in the same process, with or without
+``torch.distributed.destroy_process_group()`` in between, and gives the weights the first
+one gave with the same config.
+"""
+from __future__ import annotations
+
+import os.path as osp
+
+import pytest
+import torch
+
+from tests.helpers import launch_scenarios
+
+pytestmark = pytest.mark.dist
+
+
+def scenario(name: str, stage: int, **extra: object) -> dict:
+    return {'name': name, 'cfg': {'ds_config': {'zero_optimization': {'stage': stage}},
+                                  'max_iters': 3}, **extra}
+
+
+TWO_RANKS = [scenario('z2_first', 2), scenario('z2_again', 2, destroy=True),
+             scenario('z0', 0, destroy=True), scenario('z1', 1, destroy=True),
+             scenario('z3_first', 3, destroy=True), scenario('z3_again', 3, rebuild=True)]
+ONE_RANK = [scenario('z2_first', 2, destroy=True), scenario('z3_first', 3, destroy=True),
+            scenario('z3_again', 3, destroy=True)]
+
+
+@pytest.fixture(scope='module')
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, list[dict]]]:
+    found: dict[int, dict[str, list[dict]]] = {}
+    for nproc, scenarios in ((2, TWO_RANKS), (1, ONE_RANK)):
+        out = str(tmp_path_factory.mktemp(f'contract{nproc}'))
+        launch_scenarios('tests/dist/contract_worker.py', out, scenarios, nproc=nproc)
+        found[nproc] = {s['name']: [torch.load(osp.join(out, f'{s["name"]}.rank{r}.pt'),
+                                               weights_only=False) for r in range(nproc)]
+                        for s in scenarios}
+    return found
+
+
+@pytest.mark.parametrize('nproc', [2, 1])
+def test_a_runner_after_another_trains_the_same(results: dict, nproc: int) -> None:
+    """After destroy_process_group() (DeepSpeed kept the dead world's groups, and the
+    rendezvous store its addresses) and without it, at every stage."""
+    runs = results[nproc]
+    for name in runs:
+        assert 'accuracy' in runs[name][0]['metrics'], name
+    pairs = [('z3_first', 'z3_again')] + ([('z2_first', 'z2_again')] if nproc == 2 else [])
+    for first, again in pairs:
+        for a, b in zip(runs[first], runs[again]):
+            for key in a['state']:
+                assert torch.equal(a['state'][key], b['state'][key]), (first, key)
+
+
+def test_second_build_optim_wrapper_says_what_happened(results: dict) -> None:
+    message = results[2]['z3_again'][0]['rebuild_error']
+    assert 'already built with their optimizers' in message and 'val()/test()' not in message
