@@ -20,7 +20,6 @@ DeepSpeedRunner uses it wherever a config asks for ``EMAHook``.
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -29,7 +28,7 @@ from mmengine.hooks import EMAHook
 from mmengine.registry import HOOKS, MODELS
 from torch import nn
 
-from .engine import gathered
+from .engine import gathered, whole_copy
 
 
 class _Fp32View:
@@ -67,8 +66,7 @@ class DeepSpeedEMAHook(EMAHook):
         A model built partitioned (``zero.Init``) is gathered for the copy,
         whose parameters are plain: the averaged model is whole on every rank.
         """
-        with gathered(model):
-            self._template = copy.deepcopy(model).float()
+        self._template = whole_copy(model).float()
 
     def before_run(self, runner: Any) -> None:
         """Build the averaged model from the fp32 template."""

@@ -8,6 +8,7 @@ the engine's bookkeeping see every step. Nothing is patched onto the engine.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import Any, Optional, Union
@@ -75,6 +76,29 @@ def gathered(module: nn.Module, modify: bool = False) -> Iterator[None]:
                 after_exit.enter_context(broadcastable(params))
 
 
+def _from_deepspeed(hook: Any) -> bool:
+    return (getattr(getattr(hook, 'func', hook), '__module__', None) or '').startswith('deepspeed')
+
+
+def whole_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` with whole, plain parameters and no DeepSpeed hooks.
+
+    ZeRO-3 parameters are gathered for the copy (collective: every rank
+    copies). The hooks an engine put on the module and its children would
+    drive that engine from the copy; they are left out (by where their
+    functions come from: torch keeps hooks in the private ``_forward_hooks``
+    and siblings, whose removal tests/dist/test_runner_contract.py checks).
+    """
+    with gathered(module):
+        copied = copy.deepcopy(module)
+    for child in copied.modules():
+        for hooks in (child._forward_pre_hooks, child._forward_hooks,
+                      child._backward_pre_hooks, child._backward_hooks):
+            for key in [k for k, hook in hooks.items() if _from_deepspeed(hook)]:
+                del hooks[key]
+    return copied
+
+
 def overrides(module: nn.Module, method: str) -> bool:
     """Whether ``module`` replaces BaseModel's ``method`` with its own."""
     if not isinstance(module, BaseModel):
@@ -117,6 +141,18 @@ class DeepSpeedEngineWrapper(nn.Module):
         """The user's model, for hooks and for code written for DDP."""
         whole = self.__dict__['_whole_model']
         return whole if whole is not None else self.engine.module
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        """The user's model, copied with its weights as they are (see :func:`whole_copy`).
+
+        An engine holds process groups, which cannot be copied; code that
+        deep-copies a wrapped model (a custom EMA, a distillation teacher, a
+        TTA wrapper) wants the model. The copy is plain: not partitioned,
+        not wrapped, not stepped by DeepSpeed.
+        """
+        copied = whole_copy(self.module)
+        memo[id(self)] = copied
+        return copied
 
     def train(self, mode: bool = True) -> DeepSpeedEngineWrapper:
         """Set training mode on every engine and the whole model (the loops call it)."""

@@ -4,11 +4,13 @@ notebooks and sweeps build them.
 Usage (under torchrun): ``contract_worker.py OUT_DIR SCENARIO_JSON [...]``. Each scenario
 ``{"name": ..., "cfg": {toy_config kwargs}}`` trains a ``DeepSpeedRunner`` and validates;
 ``"destroy": true`` then calls ``torch.distributed.destroy_process_group()``, and
-``"rebuild": true`` calls ``build_optim_wrapper`` once more and keeps its error. Each rank
+``"rebuild": true`` calls ``build_optim_wrapper`` once more and keeps its error, and
+``"deepcopy": true`` deep-copies ``runner.model`` and runs the copy. Each rank
 writes ``OUT_DIR/NAME.rankR.pt`` (trained weights, val metrics, the error).
 """
 from __future__ import annotations
 
+import copy
 import os
 import os.path as osp
 from typing import Any
@@ -20,7 +22,7 @@ from mmengine.config import Config
 
 import mmengine_deepspeed  # noqa: F401
 from mmengine_deepspeed import DeepSpeedRunner
-from tests.helpers import model_state, run_scenarios, toy_config
+from tests.helpers import model_state, probe_inputs, run_scenarios, toy_config
 
 
 def run(out_dir: str, scenario: dict[str, Any]) -> None:
@@ -33,6 +35,16 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     module = runner.model.module
     with deepspeed.zero.GatheredParameters(list(module.parameters())):
         result['state'] = model_state(module)
+    if scenario.get('deepcopy'):
+        copied = copy.deepcopy(runner.model)
+        runner.model.eval()
+        copied.eval()
+        with torch.no_grad():
+            result.update(
+                copy_state=model_state(copied), copy_type=type(copied).__name__,
+                copy_hooks=sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
+                               for m in copied.modules()),
+                copy_out=copied(probe_inputs()), model_out=runner.model(probe_inputs()))
     if scenario.get('rebuild'):
         try:
             runner.build_optim_wrapper(cfg['optim_wrapper'])

@@ -1,4 +1,4 @@
-"""MMEngine's Runner contract beyond train(): several runners in one process.
+"""MMEngine's Runner contract beyond train(): several runners in one process, deep copies.
 
 Two launches (see ``contract_worker.py``): 2 ranks through ZeRO 0-3, and 1 rank. A runner
 trains after another one in the same process, with or without
@@ -22,9 +22,11 @@ def scenario(name: str, stage: int, **extra: object) -> dict:
                                   'max_iters': 3}, **extra}
 
 
-TWO_RANKS = [scenario('z2_first', 2), scenario('z2_again', 2, destroy=True),
-             scenario('z0', 0, destroy=True), scenario('z1', 1, destroy=True),
-             scenario('z3_first', 3, destroy=True), scenario('z3_again', 3, rebuild=True)]
+TWO_RANKS = [scenario('z2_first', 2, deepcopy=True), scenario('z2_again', 2, destroy=True),
+             scenario('z0', 0, destroy=True, deepcopy=True),
+             scenario('z1', 1, destroy=True, deepcopy=True),
+             scenario('z3_first', 3, destroy=True, deepcopy=True),
+             scenario('z3_again', 3, rebuild=True)]
 ONE_RANK = [scenario('z2_first', 2, destroy=True), scenario('z3_first', 3, destroy=True),
             scenario('z3_again', 3, destroy=True)]
 
@@ -58,3 +60,15 @@ def test_a_runner_after_another_trains_the_same(results: dict, nproc: int) -> No
 def test_second_build_optim_wrapper_says_what_happened(results: dict) -> None:
     message = results[2]['z3_again'][0]['rebuild_error']
     assert 'already built with their optimizers' in message and 'val()/test()' not in message
+
+
+def test_deepcopy_gives_the_model_with_its_weights(results: dict) -> None:
+    """copy.deepcopy(runner.model), as custom EMA hooks, teachers and TTA wrappers do: the
+    user's model, whole (ZeRO-3 gathered), without DeepSpeed's hooks, computing what the
+    engine computes."""
+    for name in ('z0', 'z1', 'z2_first', 'z3_first'):
+        for rank in results[2][name]:
+            assert rank['copy_type'] == 'ToyModel' and rank['copy_hooks'] == 0, name
+            for key, value in rank['state'].items():
+                assert torch.equal(value, rank['copy_state'][key]), (name, key)
+            assert torch.allclose(rank['copy_out'], rank['model_out'], atol=1e-6), name
