@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help='resume from CKPT, or from the latest complete checkpoint')
     train.add_argument('--zero', type=int, choices=[0, 1, 2, 3], help='ZeRO stage override')
     train.add_argument('--ds-config', metavar='FILE', help='a DeepSpeed JSON config')
+    train.add_argument('--max-restarts', type=int, default=0, metavar='K',
+                       help='restart all processes up to K times when one dies; each restart '
+                            'resumes from the latest complete checkpoint (default 0)')
     train.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
                        default='none', help='how the processes were started')
     train.add_argument('--cfg-options', nargs='+', action=DictAction, default={},
@@ -118,18 +121,20 @@ def run_training(config: str, work_dir: Optional[str], launcher: str, cfg_option
 
 def train(args: argparse.Namespace) -> str:
     """``train``: in this process, or in ``--nproc`` new ones."""
-    if args.nproc < 1:
-        raise ValueError(f'--nproc {args.nproc}: give at least 1.')
+    if args.nproc < 1 or args.max_restarts < 0:
+        raise ValueError(f'--nproc {args.nproc} --max-restarts {args.max_restarts}: give at '
+                         'least 1 process and 0 or more restarts.')
     call = (args.config, args.work_dir, args.launcher, args.cfg_options, args.resume, args.zero,
             args.ds_config, getattr(args, 'console_log', None))
-    if args.nproc == 1:
+    if args.nproc == 1 and args.max_restarts == 0:
         return run_training(*call)
     if args.launcher != 'none':
-        raise ValueError(f'--nproc {args.nproc} starts the processes itself; drop --launcher '
-                         f'{args.launcher} (or start them with that launcher and --nproc 1).')
+        raise ValueError(f'--nproc {args.nproc} / --max-restarts start the processes here; drop '
+                         f'--launcher {args.launcher} (or use that launcher\'s own restarts).')
     from .launch import launch_local
 
-    results = launch_local(run_training, args.nproc, *call[:2], 'pytorch', *call[3:])
+    results = launch_local(run_training, args.nproc, *call[:2], 'pytorch', *call[3:],
+                           max_restarts=args.max_restarts)
     return str(results[0])
 
 

@@ -197,18 +197,23 @@ def init_distributed(launcher: str, dist_cfg: Optional[Mapping[str, Any]] = None
     if has_cuda:
         torch.cuda.set_device(int(env['LOCAL_RANK']) % torch.cuda.device_count())
     rank, world_size = int(env['RANK']), int(env['WORLD_SIZE'])
-    if _worlds_created[0] == 0:
+    restart = os.environ.get('TORCHELASTIC_RESTART_COUNT') or '0'
+    if _worlds_created[0] == 0 and restart == '0':
         torch_dist.init_process_group(backend=backend, init_method='env://', rank=rank,
                                       world_size=world_size, timeout=timeout)
         atexit.register(_destroy_process_group)
     else:
-        # A world after one that was destroyed in this process: the rendezvous
-        # store still holds the old world's addresses under torch's default
-        # keys, and gloo would connect to them; a fresh key prefix avoids them.
+        # A world after one that was destroyed in this process, or after the
+        # elastic agent restarted the job: the rendezvous store may still hold
+        # the old world's addresses under torch's default keys, and gloo would
+        # connect to those (dead) peers. A key prefix of our own avoids them.
         store, _, _ = next(torch_dist.rendezvous('env://', rank, world_size, timeout=timeout))
-        store = torch_dist.PrefixStore(f'mmengine_deepspeed/world{_worlds_created[0]}/', store)
+        store = torch_dist.PrefixStore(
+            f'mmengine_deepspeed/restart{restart}/world{_worlds_created[0]}/', store)
         torch_dist.init_process_group(backend=backend, store=store, rank=rank,
                                       world_size=world_size, timeout=timeout)
+        if _worlds_created[0] == 0:
+            atexit.register(_destroy_process_group)
         forget_destroyed_groups()
     _worlds_created[0] += 1
 

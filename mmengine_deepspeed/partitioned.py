@@ -107,7 +107,7 @@ def partitioned_construction(ds_config: dict) -> PartitionedInit:
 
 def _zero_params(value: Any, found: dict[int, nn.Parameter]) -> None:
     if isinstance(value, nn.Parameter):
-        if hasattr(value, 'ds_id'):
+        if hasattr(value, 'ds_status'):
             found.setdefault(id(value), value)
     elif isinstance(value, (list, tuple)):
         for item in value:
@@ -132,7 +132,7 @@ PARAMETER_QUERIES = _getters('dtype', 'device', 'requires_grad', 'is_leaf', 'gra
 
 
 def _partitioned(value: Any) -> bool:
-    return hasattr(value, 'ds_id') and value.ds_status == ZeroParamStatus.NOT_AVAILABLE
+    return getattr(value, 'ds_status', None) == ZeroParamStatus.NOT_AVAILABLE
 
 
 def largest_submodule(model: nn.Module) -> int:

@@ -25,6 +25,7 @@ wrapper, so they drive the learning rate DeepSpeed steps with. ``val()`` and
 from __future__ import annotations
 
 import inspect
+import os
 import os.path as osp
 from collections.abc import Mapping
 from typing import Any, Optional, Union
@@ -40,7 +41,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .activation import checkpoint_through_deepspeed, has_section
-from .checkpoint.layout import SINGLE_ENGINE
+from .checkpoint.layout import SINGLE_ENGINE, find_latest_complete
 from .checkpoint.loop import ResumableEpochBasedTrainLoop  # noqa: F401  registers it
 from .checkpoint.reshard import Layout, load_universal_if_needed
 from .checkpoint.runner_methods import CheckpointMethods
@@ -137,6 +138,27 @@ class DeepSpeedRunner(CheckpointMethods):
         self.engine_modules: dict[str, str] = {}
         self.ds_config: dict = {}
         super().__init__(*args, **kwargs)
+        self._resume_after_restart()
+
+    def _resume_after_restart(self) -> None:
+        """After the elastic agent restarted the job (``--max-restarts``), resume by itself.
+
+        torchrun (and ``mmengine-deepspeed train --max-restarts``) restart
+        every process when one dies, with ``TORCHELASTIC_RESTART_COUNT`` > 0;
+        the latest complete checkpoint in ``work_dir`` is then what to
+        continue from, whatever ``resume`` / ``load_from`` the config says.
+        """
+        restart = int(os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0)
+        if restart == 0:
+            return
+        latest, _ = find_latest_complete(self.work_dir)
+        if latest is None:
+            self.logger.warning(f'Restart {restart} of this job: no complete checkpoint in '
+                                f'{self.work_dir} yet, starting over.')
+            return
+        self._resume, self._load_from = True, latest
+        self.logger.warning(f'Restart {restart} of this job: resuming from {latest}, the latest '
+                            'complete checkpoint.')
 
     def _resolve_ds_config(self, name: str, world_size: Optional[int]) -> dict:
         side = self._sides.get(name, self._sides[next(iter(self._sides))])

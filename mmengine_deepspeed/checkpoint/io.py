@@ -12,6 +12,7 @@ import os.path as osp
 import re
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import deepspeed
@@ -22,6 +23,7 @@ from mmengine.runner import EpochBasedTrainLoop
 from torch import nn
 
 from ..config import precision, zero_stage
+from ..partitioned import gather_on_use
 from ..version import __version__
 from .export import consolidated_state_dict
 from .layout import (
@@ -243,8 +245,14 @@ def refuse_unrelated(state: dict[str, torch.Tensor], model: nn.Module, source: s
 
 def load_weights_into(model: nn.Module, source: str, *, strict: bool,
                       revise_keys: Sequence[tuple[str, str]], allow_unsafe: bool,
-                      logger: Any) -> dict[str, Any]:
-    """Load ``source``'s weights into the bare ``model`` (before the engine exists).
+                      logger: Any, bare: bool = True) -> dict[str, Any]:
+    """Load ``source``'s weights into ``model``.
+
+    Args:
+        bare (bool): No engine exists yet: a model built partitioned
+            (``zero.Init``) is written one parameter group at a time
+            (``partitioned.gather_on_use``). Otherwise the caller gathered it.
+            Defaults to True.
 
     Returns:
         dict: ``{'meta': ..., 'state_dict': ...}`` for ``after_load_checkpoint``.
@@ -253,7 +261,8 @@ def load_weights_into(model: nn.Module, source: str, *, strict: bool,
     state = revise(state, revise_keys)
     refuse_unrelated(state, model, source)
     try:
-        result = model.load_state_dict(state, strict=strict)
+        with gather_on_use(model) if bare else nullcontext():
+            result = model.load_state_dict(state, strict=strict)
     except RuntimeError as e:
         raise CheckpointError(
             f'{source} does not fit this model: {e}\nCheck that load_from names a checkpoint '

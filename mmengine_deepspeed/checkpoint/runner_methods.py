@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os.path as osp
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any, Optional
 
 from mmengine.model import is_model_wrapper
@@ -16,7 +17,6 @@ from mmengine.runner import Runner
 from torch import nn
 
 from ..engine import gathered
-from ..partitioned import gather_on_use
 from . import io as ckpt_io
 from .layout import find_latest_complete
 
@@ -63,10 +63,11 @@ class CheckpointMethods(Runner):
                 f'load_checkpoint({filename!r}) after the training engine was built would not '
                 'reach its fp32 master weights; set load_from (or resume) before train().')
         model = self.bare_model
-        with gathered(model, modify=True) if engine is not None else gather_on_use(model):
+        with gathered(model, modify=True) if engine is not None else nullcontext():
             checkpoint = ckpt_io.load_weights_into(
                 model, filename, strict=strict, revise_keys=list(revise_keys),
-                allow_unsafe=self.allow_unsafe_checkpoints, logger=self.logger)
+                allow_unsafe=self.allow_unsafe_checkpoints, logger=self.logger,
+                bare=engine is None)
         self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
         self._has_loaded = True
         return checkpoint

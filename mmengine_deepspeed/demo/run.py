@@ -65,7 +65,7 @@ def run_demo(nproc: int = 2, zero: int = 3, max_iters: int = 300,
           f'{console_log}', flush=True)
     args = argparse.Namespace(config=CONFIG, nproc=nproc, work_dir=work_dir, launcher='none',
                               cfg_options=demo_overrides(max_iters), resume=None, zero=zero,
-                              ds_config=None, console_log=console_log)
+                              ds_config=None, console_log=console_log, max_restarts=0)
     train(args)
     trained = time.perf_counter() - start
     with captured(console_log, show_progress=False) as console:

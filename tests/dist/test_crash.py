@@ -52,3 +52,21 @@ def test_kill_during_save_then_resume(tmp_path: Any) -> None:
             assert torch.equal(value, again['state'][key]), key
     assert is_complete(osp.join(work, 'iter_8.pth'))
     assert not osp.exists(osp.join(work, 'iter_4.pth'))  # max_keep_ckpts=1, after the save
+
+
+def test_killed_rank_is_restarted_and_resumes_by_itself(tmp_path: Any) -> None:
+    """torchrun --max-restarts 1: rank 1 dies (SIGKILL) during the save of iteration 8; the
+    elastic agent restarts both, the runner resumes from iter_4.pth on its own, and the
+    final weights equal an uninterrupted run's."""
+    out = str(tmp_path)
+    proc = run_torchrun(['tests/dist/worker.py', out,
+                         json.dumps({'name': 'straight', 'cfg': CFG}),
+                         json.dumps({'name': 'restarted', 'cfg': CFG, 'kill_rank1_at_iter': 8})],
+                        torchrun_args=['--max-restarts=1'], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert 'Restart 1 of this job: resuming from' in proc.stdout, proc.stdout[-3000:]
+    for rank in range(2):
+        straight = torch.load(osp.join(out, f'straight.rank{rank}.pt'))
+        restarted = torch.load(osp.join(out, f'restarted.rank{rank}.pt'))
+        for key, value in straight['state'].items():
+            assert torch.equal(value, restarted['state'][key]), key

@@ -73,7 +73,8 @@ def run(out_dir: str, scenario: dict) -> None:
     if 'unmark' in scenario and int(os.environ['RANK']) == 0:
         os.remove(osp.join(scenario['unmark'], MARKER_FILE))
     runner_box: list = []
-    if 'kill_rank1_at_iter' in scenario:
+    if 'kill_rank1_at_iter' in scenario and os.environ.get('TORCHELASTIC_RESTART_COUNT') in (
+            None, '0'):  # the first attempt dies; a restart by the elastic agent does not
         _kill_rank1_during_save_at(scenario['kill_rank1_at_iter'], runner_box)
     cfg = toy_config(scenario.get('work_dir', osp.join(out_dir, name)), **scenario.get('cfg', {}))
     if mode in ('test', 'test_reload'):
