@@ -252,11 +252,13 @@ class DeepSpeedRunner(CheckpointMethods):
             self._deepspeed_checkpointed = None
 
     def _init_model_weights(self) -> None:
-        """Run ``init_weights()`` once, before DeepSpeed partitions anything.
+        """Run ``init_weights()`` once, before the DeepSpeed engine is built.
 
-        MMEngine calls this after building the optimizer; under ZeRO-3 the
-        parameters are partitioned by then, so the runner calls it earlier
-        (see :meth:`build_optim_wrapper`) and this later call does nothing.
+        MMEngine calls this after building the optimizer, when the engine
+        would own (and under ZeRO-3 partition) the parameters, so the runner
+        calls it earlier (see :meth:`build_optim_wrapper`) and this later call
+        does nothing. A model built partitioned (``zero.Init``) is
+        initialised with each parameter gathered as torch touches it.
         """
         if self._weights_initialized:
             return
