@@ -309,7 +309,7 @@ class DeepSpeedRunner(CheckpointMethods):
             the engines step (DeepSpeed's CPU Adam where ZeRO offloads).
         """
         if self.engines:
-            trained = any(e.client_optimizer is not None for e in self.engines.values())
+            trained = self.has_training_engines()
             raise RuntimeError(
                 'The DeepSpeed engines were already built with their optimizers (train() or '
                 'build_optim_wrapper() ran); use runner.optim_wrapper, or build a new runner '

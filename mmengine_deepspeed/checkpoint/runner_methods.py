@@ -8,7 +8,7 @@ and that loading never unpickles untrusted files by default.
 from __future__ import annotations
 
 import os.path as osp
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any, Optional
 
@@ -28,7 +28,11 @@ class CheckpointMethods(Runner):
     allow_unsafe_checkpoints: bool
     _resume_target: Optional[tuple[Optional[str]]]
 
-    _ensure_engine: Callable[[], None]
+    _pending_resume: Optional[str] = None  # resume() ran before train()
+
+    def has_training_engines(self) -> bool:
+        """Whether train() (or build_optim_wrapper) built the engines, with optimizers."""
+        return any(e.client_optimizer is not None for e in self.engines.values())
 
     @property
     def bare_model(self) -> nn.Module:
@@ -103,11 +107,23 @@ class CheckpointMethods(Runner):
 
         Engine (weights and optimizer partitions), loop position, param
         schedulers, message hub, this rank's RNG state and hooks' state come
-        back exactly. ``resume_optimizer``, ``resume_param_scheduler`` and
-        ``map_location`` are accepted for MMEngine compatibility; DeepSpeed
-        places the state itself.
+        back exactly. Called before ``train()``, the weights are loaded at
+        once and the rest when ``train()`` has built the engines.
+        ``resume_optimizer``, ``resume_param_scheduler`` and ``map_location``
+        are accepted for MMEngine compatibility; DeepSpeed places the state
+        itself.
         """
-        self._ensure_engine()
+        if not self.has_training_engines():
+            # DeepSpeed restores optimizer partitions only into the engine
+            # train() builds (its ZeRO stage, its optimizer); an evaluation
+            # engine would refuse a ZeRO-1/2 checkpoint. The weights are
+            # loaded now, for val()/test(); the rest waits for train().
+            self._resume, self._resume_target = True, (filename,)
+            self._pending_resume = filename
+            self.load_checkpoint(filename)
+            self.logger.info(f'Weights loaded from {filename}; its optimizer state, schedulers '
+                             'and loop position are restored when train() builds the engines.')
+            return
         client = ckpt_io.resume(self, filename, self.allow_unsafe_checkpoints)
         resumed_seed = client['meta'].get('seed')
         if resumed_seed is not None and resumed_seed != self._randomness_cfg.get('seed'):
@@ -136,6 +152,11 @@ class CheckpointMethods(Runner):
         Incomplete checkpoint directories (a save that was killed) are
         skipped with a warning.
         """
+        pending = self._pending_resume
+        if pending is not None and self.has_training_engines():
+            self._pending_resume = None
+            self.resume(pending)
+            return
         if self._has_loaded:
             return
         if self._resume:

@@ -5,7 +5,9 @@ Usage (under torchrun): ``contract_worker.py OUT_DIR SCENARIO_JSON [...]``. Each
 ``{"name": ..., "cfg": {toy_config kwargs}}`` trains a ``DeepSpeedRunner`` and validates;
 ``"destroy": true`` then calls ``torch.distributed.destroy_process_group()``, and
 ``"rebuild": true`` calls ``build_optim_wrapper`` once more and keeps its error, and
-``"deepcopy": true`` deep-copies ``runner.model`` and runs the copy. Each rank
+``"deepcopy": true`` deep-copies ``runner.model`` and runs the copy. Before training,
+``"resume_first": PATH`` calls ``runner.resume(PATH)`` and ``"load_or_resume_first": true``
+``runner.load_or_resume()``; ``"val_only": true`` validates without training. Each rank
 writes ``OUT_DIR/NAME.rankR.pt`` (trained weights, val metrics, the error).
 """
 from __future__ import annotations
@@ -30,7 +32,12 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     cfg = toy_config(osp.join(out_dir, name), **scenario['cfg'])
     cfg['launcher'] = 'pytorch'
     runner = DeepSpeedRunner.from_cfg(Config(cfg))
-    runner.train()
+    if 'resume_first' in scenario:  # runner.resume(path) before train()
+        runner.resume(scenario['resume_first'])
+    if scenario.get('load_or_resume_first'):
+        runner.load_or_resume()
+    if not scenario.get('val_only'):
+        runner.train()
     result: dict[str, Any] = dict(metrics=dict(runner.val()))
     module = runner.model.module
     with deepspeed.zero.GatheredParameters(list(module.parameters())):

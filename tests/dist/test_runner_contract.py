@@ -8,13 +8,19 @@ one gave with the same config.
 from __future__ import annotations
 
 import os.path as osp
+from typing import Any
 
 import pytest
 import torch
 
+from mmengine_deepspeed.checkpoint.export import consolidated_state_dict
 from tests.helpers import launch_scenarios
 
 pytestmark = pytest.mark.dist
+
+
+Z2 = {'ds_config': {'zero_optimization': {'stage': 2}}}
+EVERY_4 = {'type': 'CheckpointHook', 'interval': 4, 'by_epoch': False}
 
 
 def scenario(name: str, stage: int, **extra: object) -> dict:
@@ -26,17 +32,27 @@ TWO_RANKS = [scenario('z2_first', 2, deepcopy=True), scenario('z2_again', 2, des
              scenario('z0', 0, destroy=True, deepcopy=True),
              scenario('z1', 1, destroy=True, deepcopy=True),
              scenario('z3_first', 3, destroy=True, deepcopy=True),
-             scenario('z3_again', 3, rebuild=True)]
+             scenario('z3_again', 3, rebuild=True, destroy=True),
+             # resume() / load_or_resume() before train(), and val() with resume=True
+             {'name': 'straight', 'cfg': {**Z2, 'max_iters': 8, 'checkpoint': EVERY_4}},
+             {'name': 'resume_first', 'cfg': {**Z2, 'max_iters': 8},
+              'resume_first': '{out}/straight/iter_4.pth', 'destroy': True},
+             {'name': 'load_or_resume_first', 'cfg': {**Z2, 'max_iters': 8, 'resume': True,
+                                                      'load_from': '{out}/straight/iter_4.pth'},
+              'load_or_resume_first': True, 'destroy': True},
+             {'name': 'val_resumed', 'val_only': True,
+              'cfg': {**Z2, 'resume': True, 'load_from': '{out}/straight/iter_4.pth'}}]
 ONE_RANK = [scenario('z2_first', 2, destroy=True), scenario('z3_first', 3, destroy=True),
             scenario('z3_again', 3, destroy=True)]
 
 
 @pytest.fixture(scope='module')
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, list[dict]]]:
-    found: dict[int, dict[str, list[dict]]] = {}
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
+    found: dict[Any, Any] = {}
     for nproc, scenarios in ((2, TWO_RANKS), (1, ONE_RANK)):
         out = str(tmp_path_factory.mktemp(f'contract{nproc}'))
         launch_scenarios('tests/dist/contract_worker.py', out, scenarios, nproc=nproc)
+        found[f'out{nproc}'] = out
         found[nproc] = {s['name']: [torch.load(osp.join(out, f'{s["name"]}.rank{r}.pt'),
                                                weights_only=False) for r in range(nproc)]
                         for s in scenarios}
@@ -72,3 +88,18 @@ def test_deepcopy_gives_the_model_with_its_weights(results: dict) -> None:
             for key, value in rank['state'].items():
                 assert torch.equal(value, rank['copy_state'][key]), (name, key)
             assert torch.allclose(rank['copy_out'], rank['model_out'], atol=1e-6), name
+
+
+def test_resume_before_train_continues_exactly(results: dict) -> None:
+    """runner.resume(path) or load_or_resume() before train() (a ZeRO-2 checkpoint, which
+    the evaluation engine used to refuse as ZeRO-0): train() then ends where the straight
+    run ends. val() with resume=True validates the checkpoint's weights."""
+    runs = results[2]
+    for name in ('resume_first', 'load_or_resume_first'):
+        for straight, resumed in zip(runs['straight'], runs[name]):
+            for key, value in straight['state'].items():
+                assert torch.equal(value, resumed['state'][key]), (name, key)
+    checkpoint = consolidated_state_dict(osp.join(results['out2'], 'straight', 'iter_4.pth'))
+    for rank in runs['val_resumed']:
+        for key, value in checkpoint.items():
+            assert torch.equal(value.float(), rank['state'][key]), key
