@@ -18,7 +18,8 @@ from torch import nn
 
 from ..engine import gathered
 from . import io as ckpt_io
-from .layout import find_latest_complete
+from .layout import CheckpointError, find_latest_complete
+from .save import save_failure
 
 
 class CheckpointMethods(Runner):
@@ -99,7 +100,14 @@ class CheckpointMethods(Runner):
         else:
             meta.setdefault('epoch', self.epoch)
             meta.setdefault('iter', self.iter + 1)
-        ckpt_io.save(self, osp.join(out_dir, filename), meta, save_param_scheduler)
+        path = osp.join(out_dir, filename)
+        try:
+            ckpt_io.save(self, path, meta, save_param_scheduler)
+        except Exception as e:  # any failure: one message that says what to do
+            message = save_failure(path, e, self.work_dir)
+            if self.rank == 0:
+                self.logger.error(message)
+            raise CheckpointError(message) from e
 
     def resume(self, filename: str, resume_optimizer: bool = True,
                resume_param_scheduler: bool = True, map_location: Any = 'default') -> None:

@@ -7,12 +7,13 @@ after our save returns, so it never names a checkpoint without the marker.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import os.path as osp
 import shutil
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from .layout import (
     META_FILE,
     RANK_FILE,
     engine_tag,
+    find_latest_complete,
     write_text_atomic,
 )
 from .state import rank_state
@@ -79,3 +81,62 @@ def save_checkpoint_dir(path: str, engines: Mapping[str, DeepSpeedEngine], model
         write_text_atomic(osp.join(path, META_FILE), json.dumps(meta, indent=2, sort_keys=True))
         write_text_atomic(osp.join(path, MARKER_FILE), 'complete\n')
     dist.barrier()
+
+
+# How torch's zip writer reports a write the OS refused (it drops errno).
+TORCH_WRITE_FAILURES = ('basic_ios::clear', 'unexpected pos', 'file write failed')
+
+
+def _disk_full(error: BaseException) -> bool:
+    seen: Optional[BaseException] = error
+    while seen is not None:
+        if (isinstance(seen, OSError) and seen.errno == errno.ENOSPC) \
+                or 'No space left on device' in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _size(path: str) -> int:
+    return sum(osp.getsize(osp.join(folder, name))
+               for folder, _, names in os.walk(path) for name in names)
+
+
+def _gib(size: float) -> str:
+    return f'{size / 2**30:.2f} GiB'
+
+
+def save_failure(path: str, error: BaseException, work_dir: str) -> str:
+    """The one message a failed save ends the run with: which, why, and what resumes.
+
+    A full disk shows up as torch's zip writer failing ("unexpected pos",
+    "basic_ios::clear") as often as "No space left on device"; it is named
+    when the error says so or when less space is free than the last
+    complete checkpoint took.
+
+    Args:
+        path (str): The checkpoint directory being written.
+        error (BaseException): What the save raised.
+        work_dir (str): The runner's work directory (``--resume`` looks there).
+
+    Returns:
+        str: The message.
+    """
+    folder = osp.dirname(osp.abspath(path))
+    latest = find_latest_complete(folder)[0] or find_latest_complete(work_dir)[0]
+    cause = f'{type(error).__name__}: {error}'
+    free = shutil.disk_usage(folder).free
+    needed = _size(latest) if latest is not None else None
+    if _disk_full(error) or (needed is not None and free < needed):
+        cause = (f'the disk is full: {_gib(free)} free in {folder}'
+                 + (f', and the last checkpoint took {_gib(needed)}' if needed is not None
+                    else '') + f' ({cause})')
+    elif any(sign in str(error) for sign in TORCH_WRITE_FAILURES):
+        cause = (f'writing a file failed ({cause}: torch\'s file writer hides why; a full '
+                 f'disk, a quota or a file-size limit; {_gib(free)} free in {folder})')
+    resumes = (f'the last complete checkpoint, which --resume (resume=True) uses, is {latest}'
+               if latest is not None else
+               'there is no complete checkpoint yet, so --resume would start from scratch')
+    return (f'Saving checkpoint {path} failed: {cause}. It is left incomplete (no COMPLETE '
+            f'marker) and is never resumed from; {resumes}. Fix the cause (free space, or '
+            'another out_dir) and resume.')

@@ -70,3 +70,23 @@ def test_killed_rank_is_restarted_and_resumes_by_itself(tmp_path: Any) -> None:
         restarted = torch.load(osp.join(out, f'restarted.rank{rank}.pt'))
         for key, value in straight['state'].items():
             assert torch.equal(value, restarted['state'][key]), key
+
+
+def test_a_failed_save_says_which_why_and_what_resumes(tmp_path: Any) -> None:
+    """Every file write fails from the save of iteration 8 on (RLIMIT_FSIZE, a real write
+    error like a full disk's): the run ends with one message naming the checkpoint, the cause
+    and the last complete checkpoint, which stays complete (test_kill_during_save_then_resume
+    resumes from such a one exactly)."""
+    out = str(tmp_path)
+    work = osp.join(out, 'failing')
+    hooks = [{'type': 'RecorderHook'}, {'type': 'FileSizeLimitHook', 'at_iter': 8}]
+    failed = run_torchrun(['tests/dist/worker.py', out, json.dumps(
+        {'name': 'failing', 'cfg': dict(CFG, custom_hooks=hooks)})], timeout=200)
+    assert failed.returncode != 0
+    message = (f'Saving checkpoint {osp.join(work, "iter_8.pth")} failed: ')
+    assert message in failed.stdout, failed.stdout[-4000:]
+    line = failed.stdout[failed.stdout.index(message):].splitlines()[0]
+    assert 'writing a file failed' in line or 'File too large' in line, line
+    assert f'which --resume (resume=True) uses, is {osp.join(work, "iter_4.pth")}' in line, line
+    assert is_complete(osp.join(work, 'iter_4.pth'))
+    assert not is_complete(osp.join(work, 'iter_8.pth'))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import os.path as osp
 import signal
 import sys
@@ -28,7 +29,8 @@ from typing import Any
 import deepspeed
 import torch
 from mmengine.config import Config
-from mmengine.registry import RUNNERS
+from mmengine.hooks import Hook
+from mmengine.registry import HOOKS, RUNNERS
 
 import mmengine_deepspeed  # noqa: F401
 from mmengine_deepspeed.checkpoint import save as save_module
@@ -65,6 +67,25 @@ def _kill_rank1_during_save_at(iteration: int, runner_box: list) -> None:
         return real(module)
 
     save_module.rank_state = dying_rank_state
+
+
+@HOOKS.register_module()
+class FileSizeLimitHook(Hook):
+    """From iteration ``at_iter`` on, no file may grow past 4 KiB (RLIMIT_FSIZE): a real
+    write failure ("File too large") for the save of that iteration, as a full disk gives.
+
+    Args:
+        at_iter (int): The 1-based iteration whose save must fail.
+    """
+
+    def __init__(self, at_iter: int):
+        self.at_iter = at_iter
+
+    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
+                         outputs: Any = None) -> None:
+        if runner.iter + 1 == self.at_iter:  # before CheckpointHook (lower priority) saves
+            resource.setrlimit(resource.RLIMIT_FSIZE,
+                               (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
 def run(out_dir: str, scenario: dict) -> None:

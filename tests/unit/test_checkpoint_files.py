@@ -397,3 +397,20 @@ def test_weights_of_another_model_are_refused(tmp_path: Any) -> None:
     load_weights_into(ToyModel(), partial, strict=False, revise_keys=[], allow_unsafe=False,
                       logger=log)
     assert any('other' in m for m in log.warnings)
+
+
+def test_save_failure_names_a_full_disk_and_what_resumes(tmp_path: Any) -> None:
+    """The message a failed save ends the run with. A full disk cannot be made here without
+    root, so the OSError it raises (ENOSPC) is constructed; everything else is real."""
+    import errno
+
+    from mmengine_deepspeed.checkpoint.save import save_failure
+    work = str(tmp_path)
+    failing = osp.join(work, 'iter_8.pth')
+    full = OSError(errno.ENOSPC, 'No space left on device')
+    message = save_failure(failing, RuntimeError('unexpected pos 9792 vs 9680'), work)
+    assert f'Saving checkpoint {failing} failed' in message
+    assert 'no complete checkpoint yet' in message and 'writing a file failed' in message
+    wrapped = RuntimeError('basic_ios::clear: iostream error')
+    wrapped.__cause__ = full
+    assert 'the disk is full' in save_failure(failing, wrapped, work)
