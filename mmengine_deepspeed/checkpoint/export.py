@@ -6,8 +6,12 @@ single model-states file holds. Runs on CPU without a process group.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import os.path as osp
+import pickle
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -155,3 +159,36 @@ def export_checkpoint(path: str, out: str, dtype: str = 'fp32', safetensors: boo
     else:
         torch.save({'meta': meta, 'state_dict': state}, out)
     return out
+
+
+def publish_checkpoint(path: str, keys: Sequence[str], allow_unsafe: bool = False
+                       ) -> tuple[str, list[str]]:
+    """CheckpointHook's ``published_keys``: checkpoint ``path`` as MMEngine publishes one.
+
+    One file next to the directory, named as MMEngine names it
+    (``<name>-<sha256[:8]>.pth``, the hash of its pickled content), holding
+    the requested keys of an MMEngine checkpoint: ``meta``, ``state_dict``
+    (the consolidated fp32 weights), ``message_hub``, ``param_schedulers``.
+    The optimizer state is DeepSpeed's partitions and is not published.
+
+    Args:
+        path (str): A complete checkpoint directory.
+        keys (Sequence[str]): ``published_keys``.
+        allow_unsafe (bool): Skip the pickle allow-list. Defaults to False.
+
+    Returns:
+        tuple[str, list[str]]: The file written, and the requested keys it
+        cannot hold.
+    """
+    meta = check_checkpoint(path)
+    client = safe_load(osp.join(path, CLIENT_FILE), allow_unsafe)
+    available = {'meta': dict(client.get('meta', {}), **meta),
+                 'state_dict': lambda: consolidated_state_dict(path, allow_unsafe),
+                 'message_hub': client.get('message_hub'),
+                 'param_schedulers': client.get('param_schedulers')}
+    published = {key: value() if callable(value) else value
+                 for key, value in available.items() if key in keys and value is not None}
+    sha = hashlib.sha256(pickle.dumps(published)).hexdigest()
+    out = osp.splitext(path.rstrip(os.sep))[0] + f'-{sha[:8]}.pth'
+    torch.save(published, out)
+    return out, [key for key in keys if key not in published]

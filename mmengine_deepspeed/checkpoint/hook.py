@@ -1,4 +1,5 @@
-"""CheckpointHook that removes old checkpoints only after the new one is complete.
+"""CheckpointHook that removes old checkpoints only after the new one is complete,
+and publishes (``published_keys``) from a checkpoint directory.
 
 MMEngine's ``CheckpointHook`` deletes the oldest checkpoint (``max_keep_ckpts``)
 *before* saving the next one; with ``max_keep_ckpts=1`` a crash during the
@@ -16,6 +17,8 @@ from typing import Any, Optional
 from mmengine.dist import is_main_process
 from mmengine.hooks import CheckpointHook
 from mmengine.registry import HOOKS
+
+from .export import publish_checkpoint
 
 
 @HOOKS.register_module()
@@ -45,3 +48,17 @@ class DeepSpeedCheckpointHook(CheckpointHook):
                 shutil.rmtree(path)
             elif os.path.isfile(path):
                 os.remove(path)
+
+    def _publish_model(self, runner: Any, ckpt_path: str) -> None:
+        # Overrides a private method of CheckpointHook (MMEngine 0.10), which
+        # reads the checkpoint as one file; ours is a directory.
+        if not is_main_process():
+            return
+        assert self.published_keys is not None
+        out, missing = publish_checkpoint(ckpt_path, self.published_keys,
+                                          getattr(runner, 'allow_unsafe_checkpoints', False))
+        if missing:
+            runner.logger.warning(
+                f'published_keys {missing} are not published: DeepSpeed keeps the optimizer '
+                f'state partitioned in {ckpt_path}; resume from that directory instead.')
+        runner.logger.info(f'The checkpoint ({ckpt_path}) is published to {out}.')

@@ -7,7 +7,9 @@ one gave with the same config.
 """
 from __future__ import annotations
 
+import glob
 import os.path as osp
+import re
 from typing import Any
 
 import pytest
@@ -40,6 +42,9 @@ TWO_RANKS = [scenario('z2_first', 2, deepcopy=True), scenario('z2_again', 2, des
              {'name': 'load_or_resume_first', 'cfg': {**Z2, 'max_iters': 8, 'resume': True,
                                                       'load_from': '{out}/straight/iter_4.pth'},
               'load_or_resume_first': True, 'destroy': True},
+             {'name': 'published', 'destroy': True, 'cfg': {**Z2, 'max_iters': 3, 'checkpoint': {
+                 'type': 'CheckpointHook', 'interval': 2, 'by_epoch': False,
+                 'published_keys': ['meta', 'state_dict']}}},
              {'name': 'val_resumed', 'val_only': True,
               'cfg': {**Z2, 'resume': True, 'load_from': '{out}/straight/iter_4.pth'}}]
 ONE_RANK = [scenario('z2_first', 2, destroy=True), scenario('z3_first', 3, destroy=True),
@@ -103,3 +108,20 @@ def test_resume_before_train_continues_exactly(results: dict) -> None:
     for rank in runs['val_resumed']:
         for key, value in checkpoint.items():
             assert torch.equal(value.float(), rank['state'][key]), key
+
+
+def test_published_keys_publish_one_file_mmengine_loads(results: dict) -> None:
+    """CheckpointHook(published_keys=[...]) read the checkpoint as one file and crashed
+    after_train; now the last checkpoint is published as MMEngine names it."""
+    from mmengine.runner import load_checkpoint
+
+    from tests.helpers import ToyModel
+    files = glob.glob(osp.join(results['out2'], 'published', 'iter_3-*.pth'))
+    assert len(files) == 1 and re.fullmatch(r'iter_3-[0-9a-f]{8}\.pth', osp.basename(files[0]))
+    published = torch.load(files[0], weights_only=True)
+    assert sorted(published) == ['meta', 'state_dict']
+    model = ToyModel()
+    load_checkpoint(model, files[0], strict=True)
+    trained = results[2]['published'][0]['state']
+    for key, value in model.state_dict().items():
+        assert torch.equal(value.float(), trained[key]), key
