@@ -10,10 +10,7 @@ after another in one process group. Each rank writes ``OUT_DIR/NAME.rankR.pt``.
 """
 from __future__ import annotations
 
-import json
-import os
 import os.path as osp
-import sys
 from typing import Any
 
 import deepspeed

@@ -29,10 +29,10 @@ from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
 import mmengine_deepspeed  # noqa: F401
+import tests.toy_layered  # noqa: F401  registers LayeredModel
 from mmengine_deepspeed import DeepSpeedRunner
 from mmengine_deepspeed.partitioned import is_partitioned, return_freed_memory
 from tests.helpers import ema_state, model_state, run_scenarios, toy_config
-import tests.toy_layered  # noqa: F401  registers LayeredModel
 
 
 def _kib(field: str) -> int:

@@ -27,7 +27,8 @@ class Scaled(nn.Module):
         return self.fc(x) * self.scale
 
 
-def build(stage: int, model: nn.Module, gradient_clipping: float = 0.0) -> deepspeed.DeepSpeedEngine:
+def build(stage: int, model: nn.Module,
+          gradient_clipping: float = 0.0) -> deepspeed.DeepSpeedEngine:
     config = {'train_micro_batch_size_per_gpu': 1, 'steps_per_print': None,
               'gradient_clipping': gradient_clipping,
               'zero_optimization': {'stage': stage}, 'zero_allow_untested_optimizer': True}

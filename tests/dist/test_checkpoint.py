@@ -59,7 +59,8 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope='module')
 def plain_weights(out: str) -> dict[str, str]:
-    """A pretrained-style model saved as .pth (with/without state_dict, prefixed) and safetensors."""
+    """A pretrained-style model saved as .pth (with/without state_dict, prefixed) and
+    safetensors."""
     model = ToyModel()
     torch.manual_seed(5)
     for p in model.parameters():

@@ -7,7 +7,6 @@ resharding a 2-rank ZeRO-3 checkpoint.
 """
 from __future__ import annotations
 
-import json
 import os
 import os.path as osp
 from typing import Any

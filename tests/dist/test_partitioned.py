@@ -1,4 +1,4 @@
-"""Models larger than one rank: partitioned construction, offload, DeepSpeed activation checkpointing.
+"""Models larger than one rank: partitioned construction, offload, activation checkpointing.
 
 One launch on 2 ranks (see ``partitioned_worker.py``), fp32, ZeRO-3 unless
 said: the runner builds ``LayeredModel`` from its config inside
@@ -68,8 +68,8 @@ def assert_equal(a: dict, b: dict, keys: Any = None, atol: float = 0.0) -> None:
 
 
 def test_construction_holds_half_the_model_per_rank(results: dict) -> None:
-    """Each rank's peak RSS rise while the runner is built: ≤ 0.55× the fp32 model with
-    zero.Init on 2 ranks (the limit is 0.5×), about 1× without it."""
+    """Each rank's peak RSS rise while the runner is built: at most 0.55x the fp32 model
+    with zero.Init on 2 ranks (the limit is 0.5x), about 1x without it."""
     for partitioned, whole in zip(results['memory_init'], results['memory_whole']):
         assert partitioned['partitioned'] and not whole['partitioned']
         assert partitioned['rise_kib'] <= 0.55 * partitioned['model_kib'], partitioned
@@ -77,8 +77,8 @@ def test_construction_holds_half_the_model_per_rank(results: dict) -> None:
 
 
 def test_initialisation_is_exact(results: dict) -> None:
-    """init_cfg (Normal, Constant, Xavier and Kaiming overrides, Pretrained with prefix), the model's
-    own trunc_normal_ and .data.normal_(), tied weights, the 0-dim parameter, buffers and
+    """init_cfg (Normal, Constant, Xavier and Kaiming overrides, Pretrained with prefix), the
+    model's own trunc_normal_ and .data.normal_(), tied weights, the 0-dim parameter, buffers and
     BatchNorm: the same tensors with and without zero.Init, then the same training."""
     for whole, partitioned in zip(results['whole'], results['partitioned']):
         assert partitioned['partitioned'] and not whole['partitioned']

@@ -64,7 +64,8 @@ def _log_text(work_dir: str) -> str:
 def test_unchanged_tools_train_py_trains_with_the_three_lines(tmp_path: Any) -> None:
     """OpenMMLab's tools/train.py pattern + a config that only adds the three lines."""
     work_dir = str(tmp_path / 'work')
-    proc = run_torchrun([osp.join(FIXTURES, 'tools_train.py'), osp.join(FIXTURES, 'toy_deepspeed.py'),
+    proc = run_torchrun([osp.join(FIXTURES, 'tools_train.py'),
+                         osp.join(FIXTURES, 'toy_deepspeed.py'),
                          '--launcher', 'pytorch', '--work-dir', work_dir])
     assert proc.returncode == 0, proc.stdout[-6000:]
     log = _log_text(work_dir)

@@ -18,12 +18,10 @@ per-iteration losses and learning rates, metrics and facts about the run.
 """
 from __future__ import annotations
 
-import json
 import os
-import resource
 import os.path as osp
+import resource
 import signal
-import sys
 from typing import Any
 
 import deepspeed
