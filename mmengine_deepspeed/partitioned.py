@@ -117,13 +117,13 @@ def _zero_params(value: Any, found: dict[int, nn.Parameter]) -> None:
             _zero_params(item, found)
 
 
-# What a tensor's shape answers: for a partitioned parameter, answered from
-# its full shape without gathering (MMEngine logs shapes on rank 0 only, and
-# a gather there would wait for ranks that never come).
 def _getters(*names: str) -> frozenset:
     return frozenset(getattr(torch.Tensor, name).__get__ for name in names)
 
 
+# What a tensor's shape answers: for a partitioned parameter, answered from
+# its full shape without gathering (MMEngine logs shapes on rank 0 only, and
+# a gather there would wait for ranks that never come).
 SHAPE_QUERIES = _getters('shape', 'ndim') | {
     torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement}
 # What the partitioned parameter itself answers as well as the whole one.
