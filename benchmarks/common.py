@@ -1,6 +1,7 @@
 """What the benchmarks share: models, synthetic data, configs, a torchrun helper."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import os.path as osp
@@ -16,6 +17,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from mmengine_deepspeed.dist import free_port
+from mmengine_deepspeed.partitioned import return_freed_memory
 
 REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
@@ -154,3 +156,31 @@ def table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
     lines += ['| ' + ' | '.join(fmt(v) for v in row) + ' |' for row in rows]
     return '\n'.join(lines)
+
+
+def status_kib(field: str) -> int:
+    """A field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``...), in KiB (Linux)."""
+    with open('/proc/self/status') as status:
+        for line in status:
+            if line.startswith(field + ':'):
+                return int(line.split()[1])
+    raise RuntimeError(f'no {field} in /proc/self/status')
+
+
+def live_rss_kib() -> int:
+    """RSS after garbage collection and handing malloc's free memory back (glibc)."""
+    gc.collect()
+    return_freed_memory()
+    return status_kib('VmRSS')
+
+
+def reset_peak_rss() -> int:
+    """Restart the peak RSS (``VmHWM``) at the live RSS, which is returned (KiB).
+
+    Freed memory malloc still holds would be reused unseen by what is
+    measured next; it is handed back first.
+    """
+    live = live_rss_kib()
+    with open('/proc/self/clear_refs', 'w') as refs:
+        refs.write('5')
+    return live

@@ -19,31 +19,14 @@ whole ``reduce_bucket_size`` gradient buffer up front, and DeepSpeed's default
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
 import json
-import resource
 import sys
 
 import torch
 import torch.distributed as dist
 
-
-def rss_mb() -> float:
-    with open('/proc/self/status') as f:
-        for line in f:
-            if line.startswith('VmRSS:'):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def trimmed_rss_mb() -> float:
-    """RSS after handing malloc's free memory back to the system (glibc only)."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: the plain RSS
-        ctypes.CDLL('libc.so.6').malloc_trim(0)
-    return rss_mb()
+from benchmarks.common import live_rss_kib
 
 
 def live_tensor_mb() -> float:
@@ -67,7 +50,7 @@ def main() -> None:
     stage, offload, width, depth, steps, bucket = map(int, sys.argv[1:7])
     cuda = torch.cuda.is_available()
     init_distributed('pytorch', dict(backend='nccl' if cuda else 'gloo'))
-    base = trimmed_rss_mb()
+    base = live_rss_kib() / 1024
     torch.manual_seed(0)
     model = TinyGPT(block_size=64, width=width, depth=depth, heads=8)
     params = sum(p.numel() for p in model.parameters())
@@ -92,7 +75,7 @@ def main() -> None:
     if cuda:
         peak, steady = peak_memory_mb(), torch.cuda.memory_allocated() / 2**20
     else:
-        peak, steady = peak_memory_mb() - base, trimmed_rss_mb() - base
+        peak, steady = peak_memory_mb() - base, live_rss_kib() / 1024 - base
     value = torch.tensor([peak, steady, tensors], dtype=torch.float64, device=engine.device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:

@@ -20,9 +20,6 @@ elements so that ZeRO's buffers do not dwarf small models.
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import gc
 import json
 import os
 import sys
@@ -35,8 +32,8 @@ from mmengine.config import Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import benchmarks.common  # noqa: F401  registers RandomTokens
 import mmengine_deepspeed.demo  # noqa: F401  registers the runner and TinyGPT
+from benchmarks.common import live_rss_kib, reset_peak_rss, status_kib  # registers RandomTokens
 from mmengine_deepspeed import DeepSpeedRunner
 
 BUCKET = 5_000_000
@@ -45,40 +42,24 @@ CASES = {'zero0': (0, False, False), 'zero3': (3, False, False),
          'zero3_init': (3, True, False), 'zero3_init_offload': (3, True, True)}
 
 
-def _kib(field: str) -> int:
-    with open('/proc/self/status') as status:
-        for line in status:
-            if line.startswith(field + ':'):
-                return int(line.split()[1])
-    raise RuntimeError(f'no {field} in /proc/self/status')
-
-
 def reset_peak() -> float:
     """Start a new peak; returns the current figure in MiB."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
         return torch.cuda.memory_allocated() / 2**20
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc
-        ctypes.CDLL('libc.so.6').malloc_trim(0)
-    with open('/proc/self/clear_refs', 'w') as refs:
-        refs.write('5')
-    return _kib('VmRSS') / 1024
+    return reset_peak_rss() / 1024
 
 
 def peak() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**20
-    return _kib('VmHWM') / 1024
+    return status_kib('VmHWM') / 1024
 
 
 def held() -> float:
     if torch.cuda.is_available():
         return torch.cuda.memory_allocated() / 2**20
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL('libc.so.6').malloc_trim(0)
-    return _kib('VmRSS') / 1024
+    return live_rss_kib() / 1024
 
 
 def config(case: str, width: int, depth: int, steps: int, work_dir: str) -> dict:

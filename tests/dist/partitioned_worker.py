@@ -17,7 +17,6 @@ Each rank writes ``OUT_DIR/NAME.rankR.pt``.
 """
 from __future__ import annotations
 
-import gc
 import os
 import os.path as osp
 from typing import Any
@@ -30,17 +29,10 @@ from mmengine.registry import HOOKS
 
 import mmengine_deepspeed  # noqa: F401
 import tests.toy_layered  # noqa: F401  registers LayeredModel
+from benchmarks.common import reset_peak_rss, status_kib
 from mmengine_deepspeed import DeepSpeedRunner
-from mmengine_deepspeed.partitioned import is_partitioned, return_freed_memory
+from mmengine_deepspeed.partitioned import is_partitioned
 from tests.helpers import ema_state, model_state, run_scenarios, toy_config
-
-
-def _kib(field: str) -> int:
-    with open('/proc/self/status') as status:
-        for line in status:
-            if line.startswith(field + ':'):
-                return int(line.split()[1])
-    raise RuntimeError(f'no {field} in /proc/self/status')
 
 
 def _warm_up(cfg: dict) -> None:
@@ -85,13 +77,9 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     result: dict[str, Any] = dict(name=name)
     if mode == 'memory':
         _warm_up(cfg)
-        gc.collect()
-        return_freed_memory()  # RSS = live memory: freed heap would be reused unseen
-        with open('/proc/self/clear_refs', 'w') as refs:
-            refs.write('5')  # peak RSS (VmHWM) := current RSS
-        before = _kib('VmRSS')
+        before = reset_peak_rss()
         runner = DeepSpeedRunner.from_cfg(Config(cfg))
-        result.update(rise_kib=_kib('VmHWM') - before,
+        result.update(rise_kib=status_kib('VmHWM') - before,
                       model_kib=sum(int(getattr(p, 'ds_numel', p.numel())) * 4
                                     for p in runner.model.parameters()) / 1024,
                       partitioned=is_partitioned(runner.model))
