@@ -144,6 +144,7 @@ def describe(path: str) -> str:
         CheckpointError,
         check_checkpoint,
         engine_modules,
+        has_optimizer_state,
         is_complete,
         read_meta,
         shard_files,
@@ -160,6 +161,8 @@ def describe(path: str) -> str:
     meta = read_meta(path)
     for key in ('epoch', 'iter', 'world_size', 'zero_stage', 'precision', 'seed'):
         lines.append(f'{key}: {meta.get(key)}')
+    lines.append('optimizer state: ' + ('yes (DeepSpeed shards)' if has_optimizer_state(meta)
+                                        else 'no (weights only)'))
     lines.append('engines: ' + ', '.join(
         f'{name} (model.{path})' if path else f'{name} (the whole model)'
         for name, path in engine_modules(meta).items()))

@@ -63,7 +63,18 @@ def gathered(module: nn.Module, modify: bool = False) -> Iterator[None]:
         modify (bool): Whether the block writes the parameters; rank 0's
             values are then re-partitioned to every rank. Defaults to False.
     """
-    params = list(module.parameters())
+    with gathered_params(list(module.parameters()), modify):
+        yield
+
+
+@contextmanager
+def gathered_params(params: list[nn.Parameter], modify: bool = False) -> Iterator[None]:
+    """:func:`gathered` for some parameters (one at a time keeps a large model partitioned).
+
+    Args:
+        params (list[nn.Parameter]): The parameters to gather.
+        modify (bool): As in :func:`gathered`. Defaults to False.
+    """
     # The ExitStack closes after GatheredParameters, which broadcasts a
     # modified ZeRO-3 parameter on leaving: 0-dim ones are 1-dim just for
     # that (see scalars.py).

@@ -185,6 +185,7 @@ class DeepSpeedRunner(CheckpointMethods):
         that fits is set by all ranks' memory together, not by one rank's.
         """
         ds_config = self._resolve_ds_config(next(iter(self._sides)), self.world_size)
+        self.ds_config = ds_config  # what a checkpoint taken before train() records
         advice = build_advice(model, ds_config, self.zero_init, len(self._sides))
         if advice is not None:
             self.logger.info(advice)

@@ -2,7 +2,8 @@
 
 Built on DeepSpeed's ``zero_to_fp32`` (ZeRO 1-3: the fp32 master partitions
 of every rank stitched together) and, for ZeRO-0, on the module weights the
-single model-states file holds. Runs on CPU without a process group.
+single model-states file holds; a weights-only checkpoint holds them
+consolidated already. Runs on CPU without a process group.
 """
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from .layout import (
     CLIENT_FILE,
     OUTSIDE_ENGINES_KEY,
+    WEIGHTS_FILE,
     CheckpointError,
     check_checkpoint,
     engine_modules,
     engine_tag,
+    has_optimizer_state,
     shard_files,
 )
 from .safe_load import check_pickles, safe_load
@@ -48,6 +51,8 @@ def consolidated_state_dict(path: str, allow_unsafe: bool = False) -> dict[str, 
     """
     meta = check_checkpoint(path)
     check_pickles(shard_files(path), allow_unsafe)
+    if not has_optimizer_state(meta):
+        return dict(safe_load(osp.join(path, WEIGHTS_FILE), allow_unsafe)['state_dict'])
     modules = engine_modules(meta)
     state: dict[str, torch.Tensor] = {}
     for name, module_path in modules.items():

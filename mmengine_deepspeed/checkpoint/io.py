@@ -31,16 +31,19 @@ from .layout import (
     OUTSIDE_ENGINES_KEY,
     RANK_FILE,
     SINGLE_ENGINE,
+    WEIGHTS_FILE,
     CheckpointError,
     check_checkpoint,
     engine_modules,
     engine_tag,
+    has_optimizer_state,
     shard_files,
 )
 from .reshard import Layout, convert, needs_universal
 from .safe_load import check_pickles, safe_load
 from .save import save_checkpoint_dir
 from .state import hub_state, load_hub_state, load_rank_state, outside_engines, plain
+from .weights import load_full_state_dict
 
 
 def run_facts(runner: Any, epoch: int, iteration: int) -> dict[str, Any]:
@@ -68,41 +71,56 @@ def _labelled(schedulers: Any) -> list[tuple[str, Any]]:
     return [(f'[{i}]', s) for i, s in enumerate(schedulers)]
 
 
-def save(runner: Any, path: str, meta: dict[str, Any], save_param_scheduler: bool) -> None:
-    """Save the runner's engines and state into directory ``path`` (collective)."""
+def _dataset_meta(runner: Any) -> Any:
+    """The training dataset's ``metainfo`` (None for a runner without training)."""
+    loop = runner.train_loop  # built from its config on first use, as MMEngine does
+    dataset = getattr(getattr(loop, 'dataloader', None), 'dataset', None)
+    return plain(getattr(dataset, 'metainfo', None))
+
+
+def save(runner: Any, path: str, meta: dict[str, Any], save_param_scheduler: bool,
+         weights_only: bool) -> None:
+    """Save the runner's engines and state into directory ``path`` (collective).
+
+    Args:
+        runner (Any): The runner.
+        path (str): The checkpoint directory.
+        meta (dict): Its ``epoch`` and ``iter`` (and the caller's keys).
+        save_param_scheduler (bool): Save the (built) param schedulers.
+        weights_only (bool): Consolidated weights in place of DeepSpeed's
+            shards (``weights.py``): no optimizer state.
+    """
     facts = run_facts(runner, meta['epoch'], meta['iter'])
     if len(runner.engines) > 1:
         facts['engines'] = dict(runner.engine_modules)
-    dataset = getattr(runner.train_dataloader, 'dataset', None)
     client: dict[str, Any] = {
         'meta': dict(meta, **facts, cfg=runner.cfg.pretty_text,
-                     dataset_meta=plain(getattr(dataset, 'metainfo', None))),
+                     dataset_meta=_dataset_meta(runner)),
         'message_hub': hub_state(runner.message_hub),
     }
-    # Hyper-parameters (lr, momentum...) of each optimizer's groups: restored
-    # on resume whatever path DeepSpeed loads the optimizer states through.
-    client['optimizer_param_groups'] = {
-        name: [{k: v for k, v in group.items() if k != 'params'}
-               for group in wrapper.optimizer.param_groups]
-        for name, wrapper in named_wrappers(runner.optim_wrapper).items()}
-    if save_param_scheduler and runner.param_schedulers:
-        schedulers = runner.param_schedulers
+    if runner.has_training_engines():
+        # Hyper-parameters (lr, momentum...) of each optimizer's groups:
+        # restored on resume whatever path the optimizer states take (none,
+        # for a weights-only checkpoint).
+        client['optimizer_param_groups'] = {
+            name: [{k: v for k, v in group.items() if k != 'params'}
+                   for group in wrapper.optimizer.param_groups]
+            for name, wrapper in named_wrappers(runner.optim_wrapper).items()}
+    schedulers = runner.param_schedulers
+    if save_param_scheduler and schedulers and all(
+            hasattr(s, 'state_dict') for _, s in _labelled(schedulers)):  # built by train()
         client['param_schedulers'] = (
             {name: [s.state_dict() for s in group] for name, group in schedulers.items()}
             if isinstance(schedulers, dict) else [s.state_dict() for s in schedulers])
-    if len(runner.engines) > 1:
+    if len(runner.engines) > 1 and not weights_only:
         client[OUTSIDE_ENGINES_KEY] = outside_engines(runner.bare_model, runner.engine_modules)
     runner.call_hook('before_save_checkpoint', checkpoint=client)
-    save_checkpoint_dir(path, runner.engines, runner.bare_model, plain(client), facts)
+    save_checkpoint_dir(path, runner.engines, runner.bare_model, plain(client), facts,
+                        weights_only=weights_only)
 
 
-def resume(runner: Any, path: str, allow_unsafe: bool) -> dict[str, Any]:
-    """Restore engines, loop position, schedulers, hub, RNG, buffers and hooks from ``path``.
-
-    Returns:
-        dict: The checkpoint's client state (as hooks saw it when saving).
-    """
-    meta = check_checkpoint(path)
+def _load_engines(runner: Any, path: str, meta: dict[str, Any]) -> None:
+    """DeepSpeed's shards into the engines, resharded if the layout changed."""
     saved_modules = engine_modules(meta)
     if saved_modules != dict(runner.engine_modules):
         raise CheckpointError(
@@ -112,8 +130,6 @@ def resume(runner: Any, path: str, allow_unsafe: bool) -> dict[str, Any]:
     saved = Layout(meta['world_size'], meta['zero_stage'])
     current = Layout(runner.world_size, zero_stage(runner.ds_config))
     universal = needs_universal(saved, current, path)
-    check_pickles([*shard_files(path), osp.join(path, CLIENT_FILE)], allow_unsafe)
-    client = safe_load(osp.join(path, CLIENT_FILE), allow_unsafe)
     if universal:
         runner.logger.info(f'Resharding {path}: {saved} -> {current}, through a DeepSpeed '
                            'universal checkpoint (converted once, kept beside it).')
@@ -128,6 +144,33 @@ def resume(runner: Any, path: str, allow_unsafe: bool) -> dict[str, Any]:
                                               load_lr_scheduler_states=False)
         if load_path is None:
             raise CheckpointError(f'DeepSpeed could not load {osp.join(path, tag)}.')
+
+
+def _load_weights_only(runner: Any, path: str, allow_unsafe: bool) -> None:
+    """A weights-only checkpoint's weights into the engines, fp32 masters included."""
+    state = safe_load(osp.join(path, WEIGHTS_FILE), allow_unsafe)['state_dict']
+    load_full_state_dict(runner.bare_model, [e.optimizer for e in runner.engines.values()],
+                         state, path)
+    runner.logger.warning(
+        f'{path} holds no optimizer state (saved with save_optimizer=False, or before train() '
+        'built the optimizer): its weights, loop position, param schedulers and RNG states '
+        'are restored, and the optimizer\'s own state (momentum, Adam moments) starts '
+        'from zero.')
+
+
+def resume(runner: Any, path: str, allow_unsafe: bool) -> dict[str, Any]:
+    """Restore engines, loop position, schedulers, hub, RNG, buffers and hooks from ``path``.
+
+    Returns:
+        dict: The checkpoint's client state (as hooks saw it when saving).
+    """
+    meta = check_checkpoint(path)
+    check_pickles([*shard_files(path), osp.join(path, CLIENT_FILE)], allow_unsafe)
+    client = safe_load(osp.join(path, CLIENT_FILE), allow_unsafe)
+    if has_optimizer_state(meta):
+        _load_engines(runner, path, meta)
+    else:
+        _load_weights_only(runner, path, allow_unsafe)
     groups = client.get('optimizer_param_groups', {})
     if isinstance(groups, list):  # format 1: one optimizer
         groups = {SINGLE_ENGINE: groups}
@@ -153,7 +196,7 @@ def resume(runner: Any, path: str, allow_unsafe: bool) -> dict[str, Any]:
             scheduler.load_state_dict(state)
             warn_if_schedule_ends_early(runner, label, scheduler, configured_end)
     # On another world size, rank r takes the RNG and buffers of rank r mod N.
-    rank_file = osp.join(path, RANK_FILE.format(rank=runner.rank % saved.world_size))
+    rank_file = osp.join(path, RANK_FILE.format(rank=runner.rank % meta['world_size']))
     load_rank_state(runner.bare_model, safe_load(rank_file, allow_unsafe))
     runner.call_hook('after_load_checkpoint', checkpoint=client)
     return client

@@ -13,6 +13,13 @@ e.g. ``epoch_3.pth`` or ``iter_2000.pth``)::
       meta.json                   the meta again, readable without torch
       COMPLETE                    written by rank 0 last, after every rank finished
 
+A weights-only checkpoint (``save_optimizer=False``, or a save before
+``train()`` built an optimizer) holds ``weights.pt`` in place of DeepSpeed's
+shards: the consolidated state dict, fp32 masters where DeepSpeed keeps them
+(``weights.py``), under ``state_dict`` as MMEngine's checkpoints hold it.
+Its meta says ``"optimizer_state": false``; it loads on any world size and
+ZeRO stage.
+
 A directory without ``COMPLETE`` is a save that did not finish (a crash, a
 kill); it is never resumed from.
 """
@@ -31,6 +38,7 @@ CLIENT_FILE = 'client_state.pt'
 META_FILE = 'meta.json'
 MARKER_FILE = 'COMPLETE'
 RANK_FILE = 'rank_state_rank{rank}.pt'
+WEIGHTS_FILE = 'weights.pt'
 LAST_CHECKPOINT = 'last_checkpoint'
 # 2: ``shards`` are paths relative to the checkpoint and ``engines`` names each
 # engine's submodule; 1 (one engine, shards inside DS_TAG) is still read.
@@ -51,6 +59,11 @@ def engine_tag(name: str) -> str:
 def engine_modules(meta: dict[str, Any]) -> dict[str, str]:
     """``{engine name: path of its submodule in the model}`` (``''``: the model)."""
     return dict(meta.get('engines') or {SINGLE_ENGINE: ''})
+
+
+def has_optimizer_state(meta: dict[str, Any]) -> bool:
+    """Whether the checkpoint holds DeepSpeed's shards (False: weights only)."""
+    return bool(meta.get('optimizer_state', True))
 
 
 def shard_paths(meta: dict[str, Any]) -> list[str]:
@@ -104,8 +117,11 @@ def write_text_atomic(path: str, text: str) -> None:
 
 
 def shard_files(path: str) -> list[str]:
-    """DeepSpeed's shard files of checkpoint ``path`` (every engine's)."""
-    tags = [engine_tag(name) for name in engine_modules(read_meta(path))]
+    """DeepSpeed's shard files of checkpoint ``path`` (every engine's), or its weights file."""
+    meta = read_meta(path)
+    if not has_optimizer_state(meta):
+        return [osp.join(path, WEIGHTS_FILE)]
+    tags = [engine_tag(name) for name in engine_modules(meta)]
     return sorted(f for tag in tags for f in glob.glob(osp.join(path, tag, '*.pt')))
 
 

@@ -6,7 +6,8 @@ DeepSpeed's ``ds_to_universal`` rewrites them per parameter (independent of
 the layout), and an engine built with ``checkpoint.load_universal`` loads
 that into its own layout. The conversion runs once, on rank 0, and is cached
 beside the checkpoint (``deepspeed_universal/``, one per engine's tag). ZeRO-0 checkpoints hold the
-whole state in one file and load on any world size as they are.
+whole state in one file and load on any world size as they are; so do
+weights-only ones (``weights.py``), on any stage too.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
-from .layout import CheckpointError, check_checkpoint, write_text_atomic
+from .layout import CheckpointError, check_checkpoint, has_optimizer_state, write_text_atomic
 from .safe_load import safe_load
 
 ADAM_STATE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, FusedAdam, DeepSpeedCPUAdam)
@@ -95,7 +96,8 @@ def load_universal_if_needed(path: str, current: Layout, optimizers: Mapping[str
         configs (Mapping[str, dict]): Their ds_configs, updated in place.
     """
     meta = check_checkpoint(path)
-    if needs_universal(Layout(meta['world_size'], meta['zero_stage']), current, path):
+    saved = Layout(meta['world_size'], meta['zero_stage'])
+    if has_optimizer_state(meta) and needs_universal(saved, current, path):
         for name, ds_config in configs.items():
             check_reshardable(optimizers[name], path)
             ds_config.setdefault('checkpoint', {})['load_universal'] = True

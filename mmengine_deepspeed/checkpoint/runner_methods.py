@@ -84,25 +84,31 @@ class CheckpointMethods(Runner):
         """Save a checkpoint directory on every rank (MMEngine's is rank 0 only).
 
         Called by CheckpointHook on all ranks; arguments as
-        :meth:`mmengine.runner.Runner.save_checkpoint`. DeepSpeed always
-        writes the optimizer partitions, so ``save_optimizer=False`` still
-        saves them.
+        :meth:`mmengine.runner.Runner.save_checkpoint`. With
+        ``save_optimizer=False``, or before ``train()`` built an optimizer
+        (after ``val()``, or before anything), the checkpoint holds the
+        consolidated weights and no optimizer state (``weights.py``);
+        resuming from it restores everything else.
         """
         if file_client_args is not None or backend_args is not None:
             raise ValueError('DeepSpeedRunner saves checkpoints to a local (or mounted) '
                              'directory; remove file_client_args / backend_args.')
-        if not self.engines:
-            raise RuntimeError('There is no DeepSpeed engine to save yet; call train() first.')
+        weights_only = not (save_optimizer and self.has_training_engines())
+        if save_optimizer and weights_only:
+            self.logger.info(f'No optimizer exists yet (train() builds it): {filename} holds '
+                             'the weights and no optimizer state.')
+        # The loop position MMEngine records (a runner without training has none).
+        epoch, iteration = (self.epoch, self.iter) if self.train_loop is not None else (0, 0)
         meta = dict(meta or {})
         if by_epoch:
-            meta.setdefault('epoch', self.epoch + 1)
-            meta.setdefault('iter', self.iter)
+            meta.setdefault('epoch', epoch + 1)
+            meta.setdefault('iter', iteration)
         else:
-            meta.setdefault('epoch', self.epoch)
-            meta.setdefault('iter', self.iter + 1)
+            meta.setdefault('epoch', epoch)
+            meta.setdefault('iter', iteration + 1)
         path = osp.join(out_dir, filename)
         try:
-            ckpt_io.save(self, path, meta, save_param_scheduler)
+            ckpt_io.save(self, path, meta, save_param_scheduler, weights_only)
         except Exception as e:  # any failure: one message that says what to do
             message = save_failure(path, e, self.work_dir)
             if self.rank == 0:

@@ -31,15 +31,18 @@ from .layout import (
     MARKER_FILE,
     META_FILE,
     RANK_FILE,
+    WEIGHTS_FILE,
     engine_tag,
     find_latest_complete,
     write_text_atomic,
 )
 from .state import rank_state
+from .weights import full_state_dict
 
 
 def save_checkpoint_dir(path: str, engines: Mapping[str, DeepSpeedEngine], model: nn.Module,
-                        client_state: dict[str, Any], meta: dict[str, Any]) -> None:
+                        client_state: dict[str, Any], meta: dict[str, Any],
+                        weights_only: bool = False) -> None:
     """Save every engine and our state into directory ``path`` (collective).
 
     Args:
@@ -51,33 +54,43 @@ def save_checkpoint_dir(path: str, engines: Mapping[str, DeepSpeedEngine], model
         client_state (dict): Meta, message hub, schedulers, hooks' state.
         meta (dict): JSON-serialisable facts about the run, with ``engines``
             (``{name: submodule path}``) for a model with several engines.
+        weights_only (bool): Write the consolidated weights
+            (``weights.py``) instead of DeepSpeed's shards: no optimizer
+            state. Defaults to False.
     """
     rank = dist.get_rank()
-    tags = [engine_tag(name) for name in engines]
     if rank == 0:
         if osp.isdir(path):
-            # Unmark first: a crash while overwriting must not look complete.
+            # Unmark first: a crash while replacing must not look complete.
             marker = osp.join(path, MARKER_FILE)
             if osp.exists(marker):
                 os.remove(marker)
-            for tag in tags:
-                shutil.rmtree(osp.join(path, tag), ignore_errors=True)
-        os.makedirs(path, exist_ok=True)
+            shutil.rmtree(path)  # with any universal conversion cached from the old one
+        os.makedirs(path)
     dist.barrier()
-    for tag, engine in zip(tags, engines.values()):
-        # universal_checkpoint_info lets ds_to_universal convert ZeRO-1/2
-        # checkpoints without --inject_missing_state (resharding).
-        engine.save_checkpoint(path, tag=tag, save_latest=False, client_state={
-            UNIVERSAL_CHECKPOINT_INFO: {
-                UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}})
+    if weights_only:
+        state = full_state_dict(model)
+        if rank == 0:
+            torch.save({'state_dict': state}, osp.join(path, WEIGHTS_FILE))
+        del state
+        shards = [WEIGHTS_FILE]
+    else:
+        for name, engine in engines.items():
+            # universal_checkpoint_info lets ds_to_universal convert ZeRO-1/2
+            # checkpoints without --inject_missing_state (resharding).
+            engine.save_checkpoint(path, tag=engine_tag(name), save_latest=False, client_state={
+                UNIVERSAL_CHECKPOINT_INFO: {
+                    UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}})
     torch.save(rank_state(model), osp.join(path, RANK_FILE.format(rank=rank)))
     if rank == 0:
         torch.save(client_state, osp.join(path, CLIENT_FILE))
     dist.barrier()
     if rank == 0:
-        shards = sorted(osp.join(tag, name) for tag in tags
-                        for name in os.listdir(osp.join(path, tag)))
-        meta = dict(meta, format_version=FORMAT_VERSION, shards=shards)
+        if not weights_only:
+            shards = sorted(osp.join(tag, name) for tag in map(engine_tag, engines)
+                            for name in os.listdir(osp.join(path, tag)))
+        meta = dict(meta, format_version=FORMAT_VERSION, shards=shards,
+                    optimizer_state=not weights_only)
         write_text_atomic(osp.join(path, META_FILE), json.dumps(meta, indent=2, sort_keys=True))
         write_text_atomic(osp.join(path, MARKER_FILE), 'complete\n')
     dist.barrier()

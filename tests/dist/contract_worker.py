@@ -7,8 +7,11 @@ Usage (under torchrun): ``contract_worker.py OUT_DIR SCENARIO_JSON [...]``. Each
 ``"rebuild": true`` calls ``build_optim_wrapper`` once more and keeps its error, and
 ``"deepcopy": true`` deep-copies ``runner.model`` and runs the copy. Before training,
 ``"resume_first": PATH`` calls ``runner.resume(PATH)`` and ``"load_or_resume_first": true``
-``runner.load_or_resume()``; ``"val_only": true`` validates without training. Each rank
-writes ``OUT_DIR/NAME.rankR.pt`` (trained weights, val metrics, the error).
+``runner.load_or_resume()``; ``"val_only": true`` validates without training.
+``"save_first": FILENAME`` calls ``runner.save_checkpoint`` before anything else (the
+model's weights then are kept as ``first_state``), and ``"save_after": {FILENAME:
+save_optimizer}`` after validating. Each rank writes ``OUT_DIR/NAME.rankR.pt`` (final
+weights, val metrics, losses and learning rates, the error).
 """
 from __future__ import annotations
 
@@ -23,8 +26,9 @@ import torch.distributed as dist
 from mmengine.config import Config
 
 import mmengine_deepspeed  # noqa: F401
+import tests.toy_layered  # noqa: F401  registers LayeredModel
 from mmengine_deepspeed import DeepSpeedRunner
-from tests.helpers import model_state, probe_inputs, run_scenarios, toy_config
+from tests.helpers import model_state, probe_inputs, recorder, run_scenarios, toy_config
 
 
 def run(out_dir: str, scenario: dict[str, Any]) -> None:
@@ -32,13 +36,22 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     cfg = toy_config(osp.join(out_dir, name), **scenario['cfg'])
     cfg['launcher'] = 'pytorch'
     runner = DeepSpeedRunner.from_cfg(Config(cfg))
+    result: dict[str, Any] = {}
+    if 'save_first' in scenario:  # before train() or val(): no engine yet
+        runner.save_checkpoint(runner.work_dir, scenario['save_first'], by_epoch=False)
+        with deepspeed.zero.GatheredParameters(list(runner.bare_model.parameters())):
+            result['first_state'] = model_state(runner.bare_model)
     if 'resume_first' in scenario:  # runner.resume(path) before train()
         runner.resume(scenario['resume_first'])
     if scenario.get('load_or_resume_first'):
         runner.load_or_resume()
     if not scenario.get('val_only'):
         runner.train()
-    result: dict[str, Any] = dict(metrics=dict(runner.val()))
+        result.update(losses=recorder(runner).losses, lrs=recorder(runner).lrs)
+    result['metrics'] = dict(runner.val())
+    for filename, save_optimizer in scenario.get('save_after', {}).items():
+        runner.save_checkpoint(runner.work_dir, filename, save_optimizer=save_optimizer,
+                               by_epoch=False)
     module = runner.model.module
     with deepspeed.zero.GatheredParameters(list(module.parameters())):
         result['state'] = model_state(module)

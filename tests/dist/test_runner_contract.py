@@ -3,11 +3,14 @@
 Two launches (see ``contract_worker.py``): 2 ranks through ZeRO 0-3, and 1 rank. A runner
 trains after another one in the same process, with or without
 ``torch.distributed.destroy_process_group()`` in between, and gives the weights the first
-one gave with the same config.
+one gave with the same config. ``save_optimizer=False`` and ``save_checkpoint()`` outside
+``train()`` write weights-only checkpoints that resume.
 """
 from __future__ import annotations
 
 import glob
+import json
+import os
 import os.path as osp
 import re
 from typing import Any
@@ -16,6 +19,7 @@ import pytest
 import torch
 
 from mmengine_deepspeed.checkpoint.export import consolidated_state_dict
+from mmengine_deepspeed.checkpoint.layout import WEIGHTS_FILE
 from tests.helpers import launch_scenarios
 
 pytestmark = pytest.mark.dist
@@ -23,6 +27,11 @@ pytestmark = pytest.mark.dist
 
 Z2 = {'ds_config': {'zero_optimization': {'stage': 2}}}
 EVERY_4 = {'type': 'CheckpointHook', 'interval': 4, 'by_epoch': False}
+# Tied, frozen and 0-dim parameters, buffers, BatchNorm (tests/toy_layered.py).
+LAYERED_BF16_Z3 = {'model': {'type': 'LayeredModel'}, 'optimizer': {'type': 'AdamW', 'lr': 0.01},
+                   'ds_config': {'zero_optimization': {'stage': 3}, 'bf16': {'enabled': True}}}
+WEIGHTS_ONLY = {'type': 'CheckpointHook', 'interval': 3, 'by_epoch': False,
+                'save_optimizer': False}
 
 
 def scenario(name: str, stage: int, **extra: object) -> dict:
@@ -46,7 +55,22 @@ TWO_RANKS = [scenario('z2_first', 2, deepcopy=True), scenario('z2_again', 2, des
                  'type': 'CheckpointHook', 'interval': 2, 'by_epoch': False,
                  'published_keys': ['meta', 'state_dict']}}},
              {'name': 'val_resumed', 'val_only': True,
-              'cfg': {**Z2, 'resume': True, 'load_from': '{out}/straight/iter_4.pth'}}]
+              'cfg': {**Z2, 'resume': True, 'load_from': '{out}/straight/iter_4.pth'}},
+             # save_optimizer=False (bf16 ZeRO-3: fp32 masters in the optimizer partitions)
+             {'name': 'wo_straight', 'save_after': {'full_6.pth': True},
+              'cfg': {**LAYERED_BF16_Z3, 'max_iters': 6, 'checkpoint': WEIGHTS_ONLY}},
+             {'name': 'wo_resumed', 'destroy': True, 'cfg': {
+                 **LAYERED_BF16_Z3, 'max_iters': 6, 'resume': True,
+                 'load_from': '{out}/wo_straight/iter_3.pth'}},
+             {'name': 'wo_round_trip', 'save_after': {'again.pth': False}, 'destroy': True,
+              'cfg': {**LAYERED_BF16_Z3, 'max_iters': 3, 'resume': True,
+                      'load_from': '{out}/wo_straight/iter_3.pth'}},
+             # save_checkpoint() before train() and after val()
+             {'name': 'saves_z3', 'save_first': 'before.pth', 'val_only': True,
+              'save_after': {'after_val.pth': True}, 'destroy': True,
+              'cfg': {**LAYERED_BF16_Z3, 'ds_config': {'zero_optimization': {'stage': 3}}}},
+             {'name': 'saves_z2', 'save_first': 'before.pth', 'val_only': True,
+              'save_after': {'after_val.pth': True}, 'cfg': Z2}]
 ONE_RANK = [scenario('z2_first', 2, destroy=True), scenario('z3_first', 3, destroy=True),
             scenario('z3_again', 3, destroy=True)]
 
@@ -56,7 +80,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
     found: dict[Any, Any] = {}
     for nproc, scenarios in ((2, TWO_RANKS), (1, ONE_RANK)):
         out = str(tmp_path_factory.mktemp(f'contract{nproc}'))
-        launch_scenarios('tests/dist/contract_worker.py', out, scenarios, nproc=nproc)
+        found[f'log{nproc}'] = launch_scenarios('tests/dist/contract_worker.py', out, scenarios,
+                                                nproc=nproc)
         found[f'out{nproc}'] = out
         found[nproc] = {s['name']: [torch.load(osp.join(out, f'{s["name"]}.rank{r}.pt'),
                                                weights_only=False) for r in range(nproc)]
@@ -125,3 +150,62 @@ def test_published_keys_publish_one_file_mmengine_loads(results: dict) -> None:
     trained = results[2]['published'][0]['state']
     for key, value in model.state_dict().items():
         assert torch.equal(value.float(), trained[key]), key
+
+
+def _size(path: str) -> int:
+    return sum(osp.getsize(osp.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def _assert_same(a: dict, b: dict, what: str) -> None:
+    assert sorted(a) == sorted(b), what
+    for key, value in a.items():
+        assert torch.equal(value.float(), b[key].float()), (what, key)
+
+
+def test_save_optimizer_false_writes_the_weights_and_no_optimizer_state(results: dict) -> None:
+    """CheckpointHook(save_optimizer=False) used to write DeepSpeed's optimizer partitions
+    anyway. Under bf16 ZeRO-3 the weights-only checkpoint holds the fp32 masters: what
+    DeepSpeed's zero_to_fp32 makes of a full checkpoint of the same step, bit for bit."""
+    from mmengine.runner import load_checkpoint
+
+    from tests.toy_layered import LayeredModel
+    folder = osp.join(results['out2'], 'wo_straight')
+    for name in ('iter_3.pth', 'iter_6.pth'):
+        path = osp.join(folder, name)
+        with open(osp.join(path, 'meta.json')) as f:
+            assert json.load(f)['optimizer_state'] is False
+        assert not glob.glob(osp.join(path, 'deepspeed*')), os.listdir(path)
+        assert _size(path) < 0.6 * _size(osp.join(folder, 'full_6.pth'))
+    _assert_same(consolidated_state_dict(osp.join(folder, 'iter_6.pth')),
+                 consolidated_state_dict(osp.join(folder, 'full_6.pth')), 'masters')
+    # weights.pt is an MMEngine checkpoint file of the model
+    load_checkpoint(LayeredModel(), osp.join(folder, 'iter_6.pth', WEIGHTS_FILE), strict=True)
+
+
+def test_resume_without_optimizer_state_continues_from_the_weights(results: dict) -> None:
+    """Resuming a weights-only checkpoint says so once, and restores weights (fp32 masters
+    exactly, also for a 0-dim parameter that DeepSpeed's ZeRO-3 set_full_hp_param fails on),
+    loop position, data order, schedulers and learning rates; only Adam's moments restart."""
+    runs, out = results[2], results['out2']
+    assert results['log2'].count('holds no optimizer state') == 2  # 2 runs, on rank 0
+    straight, resumed = runs['wo_straight'][0], runs['wo_resumed'][0]
+    assert resumed['lrs'] == straight['lrs'][3:]
+    # The first resumed step sees the saved weights and the batch the straight run saw.
+    assert resumed['losses'][0] == straight['losses'][3]
+    assert resumed['losses'][1] != straight['losses'][4]  # fresh Adam moments
+    # Resumed, then saved again without a step: every value comes back bit for bit.
+    _assert_same(consolidated_state_dict(osp.join(out, 'wo_straight', 'iter_3.pth')),
+                 consolidated_state_dict(osp.join(out, 'wo_round_trip', 'again.pth')),
+                 'round trip')
+
+
+def test_save_checkpoint_before_train_and_after_val(results: dict) -> None:
+    """runner.save_checkpoint() before train() (ZeRO-3: a model built partitioned) and after
+    val() (an engine without optimizer) failed; it saves what exists, as MMEngine's does."""
+    for name in ('saves_z3', 'saves_z2'):
+        rank0 = results[2][name][0]
+        folder = osp.join(results['out2'], name)
+        _assert_same(consolidated_state_dict(osp.join(folder, 'before.pth')),
+                     rank0['first_state'], f'{name} before')
+        _assert_same(consolidated_state_dict(osp.join(folder, 'after_val.pth')),
+                     rank0['state'], f'{name} after val')
