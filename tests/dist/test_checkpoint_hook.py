@@ -8,6 +8,7 @@ files, which is the documented difference.
 """
 from __future__ import annotations
 
+import json
 import os
 import os.path as osp
 import re
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from mmengine_deepspeed.checkpoint.layout import CLIENT_FILE
+from mmengine_deepspeed.checkpoint.layout import CLIENT_FILE, META_FILE
 from tests.helpers import launch_scenarios
 
 pytestmark = pytest.mark.dist
@@ -37,7 +38,14 @@ CASES: dict[str, dict] = {
         interval=3, by_epoch=False, save_best='accuracy', rule='greater')),
     'no_param_scheduler': dict(max_iters=4, checkpoint=hook(interval=4, by_epoch=False,
                                                             save_param_scheduler=False)),
+    # Constant lr: MMEngine's resume without optimizer state restarts from the configured
+    # lr, where ours restores the scheduled one (the learning rates are not its moments).
+    'no_optimizer': dict(max_iters=4, param_scheduler=None, checkpoint=hook(
+        interval=2, by_epoch=False, save_optimizer=False)),
 }
+# Each runner resumes the iter_2 checkpoint it wrote with save_optimizer=False.
+RESUMED = dict(max_iters=4, param_scheduler=None, resume=True)
+ZERO0 = {'zero_optimization': {'stage': 0}}  # MMEngine's plain runs drop it
 CHECKPOINT_NAME = re.compile(r'.*\.pth$|^last_checkpoint$')
 
 
@@ -52,7 +60,11 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> str:
                        'cfg': dict(cfg, experiment_name=f'plain_{case}')},
                       {'name': f'ds_{case}',
                        'cfg': dict(cfg, experiment_name=f'ds_{case}',
-                                   ds_config={'zero_optimization': {'stage': 0}})}]
+                                   ds_config=ZERO0)}]
+    for mode, prefix in (('plain', 'plain'), ('train', 'ds')):
+        scenarios.append({'name': f'{prefix}_resumed', 'mode': mode, 'cfg': dict(
+            RESUMED, experiment_name=f'{prefix}_resumed', ds_config=ZERO0,
+            load_from=f'{{out}}/{prefix}_no_optimizer/iter_2.pth')})
     launch_scenarios('tests/dist/worker.py', out, scenarios, nproc=1)
     return out
 
@@ -77,8 +89,23 @@ def test_checkpoint_hook_arguments_as_mmengine(out: str, case: str) -> None:
     with open(osp.join(out, f'plain_{case}', 'last_checkpoint')) as a, \
             open(osp.join(out, f'ds_{case}', 'last_checkpoint')) as b:
         assert osp.basename(a.read().strip()) == osp.basename(b.read().strip())
+    if case == 'no_optimizer':
+        assert 'optimizer' not in torch.load(osp.join(plain, 'iter_2.pth'), weights_only=False)
+        with open(osp.join(ours, 'iter_2.pth', META_FILE)) as f:
+            assert json.load(f)['optimizer_state'] is False
     if case == 'no_param_scheduler':
         name = listing(plain)[0]
         assert 'param_schedulers' not in torch.load(osp.join(plain, name), weights_only=False)
         assert 'param_schedulers' not in torch.load(osp.join(ours, name, CLIENT_FILE),
                                                     weights_only=False)
+
+
+def test_resuming_without_optimizer_state_as_mmengine(out: str) -> None:
+    """Both runners resume the checkpoint they wrote with save_optimizer=False: the optimizer
+    (SGD momentum) restarts in both, and the weights they end with agree as their straight
+    runs do."""
+    plain = torch.load(osp.join(out, 'plain_resumed.rank0.pt'), weights_only=False)
+    ours = torch.load(osp.join(out, 'ds_resumed.rank0.pt'), weights_only=False)
+    assert len(ours['losses']) == len(plain['losses']) == 2
+    for key, value in plain['state'].items():
+        assert torch.allclose(value, ours['state'][key], atol=1e-6), key

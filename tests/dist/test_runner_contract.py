@@ -20,6 +20,7 @@ import torch
 
 from mmengine_deepspeed.checkpoint.export import consolidated_state_dict
 from mmengine_deepspeed.checkpoint.layout import WEIGHTS_FILE
+from mmengine_deepspeed.cli import describe
 from tests.helpers import launch_scenarios
 
 pytestmark = pytest.mark.dist
@@ -72,7 +73,12 @@ TWO_RANKS = [scenario('z2_first', 2, deepcopy=True), scenario('z2_again', 2, des
              {'name': 'saves_z2', 'save_first': 'before.pth', 'val_only': True,
               'save_after': {'after_val.pth': True}, 'cfg': Z2}]
 ONE_RANK = [scenario('z2_first', 2, destroy=True), scenario('z3_first', 3, destroy=True),
-            scenario('z3_again', 3, destroy=True)]
+            scenario('z3_again', 3, destroy=True),
+            # a weights-only checkpoint of 2 ranks at ZeRO-3, resumed on 1 rank at ZeRO-2
+            {'name': 'wo_reshard', 'save_after': {'again.pth': False}, 'cfg': {
+                **LAYERED_BF16_Z3, 'max_iters': 3, 'resume': True,
+                'load_from': '{out2}/wo_straight/iter_3.pth',
+                'ds_config': {'zero_optimization': {'stage': 2}, 'bf16': {'enabled': True}}}}]
 
 
 @pytest.fixture(scope='module')
@@ -80,6 +86,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
     found: dict[Any, Any] = {}
     for nproc, scenarios in ((2, TWO_RANKS), (1, ONE_RANK)):
         out = str(tmp_path_factory.mktemp(f'contract{nproc}'))
+        if 'out2' in found:
+            scenarios = json.loads(json.dumps(scenarios).replace('{out2}', found['out2']))
         found[f'log{nproc}'] = launch_scenarios('tests/dist/contract_worker.py', out, scenarios,
                                                 nproc=nproc)
         found[f'out{nproc}'] = out
@@ -180,6 +188,8 @@ def test_save_optimizer_false_writes_the_weights_and_no_optimizer_state(results:
                  consolidated_state_dict(osp.join(folder, 'full_6.pth')), 'masters')
     # weights.pt is an MMEngine checkpoint file of the model
     load_checkpoint(LayeredModel(), osp.join(folder, 'iter_6.pth', WEIGHTS_FILE), strict=True)
+    described = describe(osp.join(folder, 'iter_6.pth'))
+    assert 'optimizer state: no (weights only)' in described and WEIGHTS_FILE in described
 
 
 def test_resume_without_optimizer_state_continues_from_the_weights(results: dict) -> None:
@@ -194,9 +204,12 @@ def test_resume_without_optimizer_state_continues_from_the_weights(results: dict
     assert resumed['losses'][0] == straight['losses'][3]
     assert resumed['losses'][1] != straight['losses'][4]  # fresh Adam moments
     # Resumed, then saved again without a step: every value comes back bit for bit.
-    _assert_same(consolidated_state_dict(osp.join(out, 'wo_straight', 'iter_3.pth')),
-                 consolidated_state_dict(osp.join(out, 'wo_round_trip', 'again.pth')),
+    saved = consolidated_state_dict(osp.join(out, 'wo_straight', 'iter_3.pth'))
+    _assert_same(saved, consolidated_state_dict(osp.join(out, 'wo_round_trip', 'again.pth')),
                  'round trip')
+    # ... also on 1 rank at ZeRO-2 (DeepSpeed's ZeRO-1/2 masters)
+    _assert_same(saved, consolidated_state_dict(
+        osp.join(results['out1'], 'wo_reshard', 'again.pth')), 'another layout')
 
 
 def test_save_checkpoint_before_train_and_after_val(results: dict) -> None:

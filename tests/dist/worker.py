@@ -103,6 +103,11 @@ def run(out_dir: str, scenario: dict) -> None:
         cfg.pop('ds_config', None)
         cfg['model_wrapper_cfg'] = dict(type='MMDistributedDataParallel', device_ids=None,
                                         find_unused_parameters=True)
+        if cfg.get('resume'):
+            # MMEngine 0.10.7 resumes through torch.load's default, weights_only since
+            # torch 2.6, which refuses MMEngine's own checkpoints (the trap DeepSpeedRunner
+            # works around); the reference run opts out for its resume only.
+            os.environ['TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD'] = '1'
     else:
         cfg['runner_type'] = 'DeepSpeedRunner'
     cfg['launcher'] = 'pytorch'
@@ -135,6 +140,7 @@ def run(out_dir: str, scenario: dict) -> None:
         result.update(state=model_state(module), shapes={k: tuple(v.shape) for k, v in
                                                          module.state_dict().items()})
         torch.save(result, osp.join(out_dir, f'{name}.rank{runner.rank}.pt'))
+        os.environ.pop('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', None)
         return
     engine = runner.engines['model']
     with deepspeed.zero.GatheredParameters(list(module.parameters())):
