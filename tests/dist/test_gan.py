@@ -47,11 +47,17 @@ RESUME = [
     {'name': 'resumed_z3', 'cfg': {'ds_config': zero(3), 'max_iters': 12, 'resume': True,
                                    'custom_hooks': [EMA],
                                    'load_from': '{out}/straight_z3/iter_6.pth'}},
+    {'name': 'weights_only_z3', 'cfg': {'ds_config': zero(3), 'max_iters': 12,
+                                        'custom_hooks': [EMA],
+                                        'checkpoint': dict(EVERY_6, save_optimizer=False)}},
 ]
 RESHARD = [
     {'name': 'reshard_z3', 'cfg': {'ds_config': zero(3), 'max_iters': 6, 'resume': True,
                                    'custom_hooks': [EMA],
                                    'load_from': '{out}/straight_z3/iter_6.pth'}},
+    {'name': 'weights_only_resumed', 'cfg': {
+        'ds_config': zero(2), 'max_iters': 12, 'resume': True, 'custom_hooks': [EMA],
+        'load_from': '{out}/weights_only_z3/iter_6.pth'}},
 ]
 
 
@@ -147,3 +153,18 @@ def test_reshard_two_ranks_to_one(out: str) -> None:
     assert_close(ours['state'], {k: v.float() for k, v in saved.items()}, atol=0)
     assert ours['steps'] == {'generator': 3, 'discriminator': 6}
     assert ours['ema'] is not None
+
+
+def test_weights_only_checkpoint_of_several_engines(out: str) -> None:
+    """save_optimizer=False at ZeRO-3 on 2 ranks: every engine's weights (and the EMA copy no
+    optimizer holds) as a full checkpoint of the same step has them; resumed on 1 rank at
+    ZeRO-2, each engine continues from them with a fresh optimizer."""
+    weights_only = osp.join(out, 'weights_only_z3', 'iter_6.pth')
+    assert not any(name.startswith('deepspeed') for name in os.listdir(weights_only))
+    full = consolidated_state_dict(osp.join(out, 'straight_z3', 'iter_6.pth'))
+    assert_close(consolidated_state_dict(weights_only), full, atol=0)
+    resumed = result(out, 'weights_only_resumed')
+    assert resumed['steps'] == {'generator': 3, 'discriminator': 6}
+    assert len(resumed['losses']) == 12 and resumed['ema'] is not None  # 6 from the hub
+    with open(osp.join(out, 'reshard.log')) as f:
+        assert 'holds no optimizer state' in f.read()
