@@ -1,7 +1,8 @@
 """Writing a checkpoint directory on every rank, complete or not at all.
 
 Order matters for crash safety: DeepSpeed's shards (or, weights only, the
-consolidated weights) and every rank's own state first, then the client state and meta (rank 0), a barrier, and only then the
+consolidated weights) and every rank's own state first, then the client state
+and meta (rank 0), a barrier, and only then the
 ``COMPLETE`` marker. MMEngine's CheckpointHook writes ``last_checkpoint``
 after our save returns, so it never names a checkpoint without the marker.
 """
