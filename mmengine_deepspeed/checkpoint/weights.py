@@ -37,11 +37,12 @@ def _holds_master(param: torch.Tensor) -> bool:
     """Whether DeepSpeed keeps a separate fp32 master of ``param``.
 
     These are the attributes ``safe_get/set_full_fp32_param`` dispatch on
-    (private: set by DeepSpeed's ZeRO-3, ZeRO-1/2 and bf16 optimizers on
-    the parameters they own). A ZeRO-3 parameter no optimizer owns (frozen,
-    or in an evaluation engine) has ``ds_id`` but no ``_z3_optimizer``, and
-    ``safe_get_full_fp32_param`` would raise on it.
-    tests/dist/test_runner_contract.py pins the round trip.
+    (private: set by DeepSpeed's ZeRO-3 optimizer on its module's parameters,
+    by the ZeRO-1/2 and bf16 ones on those they step). A ZeRO-3 parameter no
+    optimizer holds (an evaluation engine's, or a model built partitioned
+    before its engine) has ``ds_id`` but no ``_z3_optimizer``, and
+    ``safe_get_full_fp32_param`` would raise on it; for a frozen one it
+    returns None. tests/dist/test_runner_contract.py pins the round trip.
     """
     return hasattr(param, '_z3_optimizer') or hasattr(param, '_hp_mapping')
 
@@ -151,7 +152,7 @@ def _set_master(param: Any, value: torch.Tensor) -> None:
     # is not a multiple of the world size (a 0-dim one on 2 ranks). This
     # rank's partition is set instead, through the public local setter.
     size = param.ds_tensor.numel()
-    start = size * dist.get_rank(group=param.ds_process_group)
+    start = size * dist.get_rank(group=getattr(param, 'ds_process_group', None))
     piece = value.flatten()[start:start + size]
     local = torch.zeros(size, dtype=torch.float32)
     local[:piece.numel()] = piece
