@@ -24,6 +24,8 @@ import torch
 import torch.distributed as torch_dist
 from mmengine.logging import print_log
 
+from .failure import rank_failed, stop_watching, watch_for_peer_failures
+
 LAUNCHERS = ('none', 'pytorch', 'slurm', 'mpi')
 DEFAULT_TIMEOUT_S = 1800
 DEFAULT_PORT = 29500
@@ -198,24 +200,24 @@ def init_distributed(launcher: str, dist_cfg: Optional[Mapping[str, Any]] = None
         torch.cuda.set_device(int(env['LOCAL_RANK']) % torch.cuda.device_count())
     rank, world_size = int(env['RANK']), int(env['WORLD_SIZE'])
     restart = os.environ.get('TORCHELASTIC_RESTART_COUNT') or '0'
+    # Our keys in the rendezvous store, new for every world and restart.
+    prefix = f'mmengine_deepspeed/restart{restart}/world{_worlds_created[0]}/'
     if _worlds_created[0] == 0 and restart == '0':
         torch_dist.init_process_group(backend=backend, init_method='env://', rank=rank,
                                       world_size=world_size, timeout=timeout)
-        atexit.register(_destroy_process_group)
     else:
         # A world after one that was destroyed in this process, or after the
         # elastic agent restarted the job: the rendezvous store may still hold
         # the old world's addresses under torch's default keys, and gloo would
         # connect to those (dead) peers. A key prefix of our own avoids them.
         store, _, _ = next(torch_dist.rendezvous('env://', rank, world_size, timeout=timeout))
-        store = torch_dist.PrefixStore(
-            f'mmengine_deepspeed/restart{restart}/world{_worlds_created[0]}/', store)
-        torch_dist.init_process_group(backend=backend, store=store, rank=rank,
-                                      world_size=world_size, timeout=timeout)
-        if _worlds_created[0] == 0:
-            atexit.register(_destroy_process_group)
+        torch_dist.init_process_group(backend=backend, store=torch_dist.PrefixStore(prefix, store),
+                                      rank=rank, world_size=world_size, timeout=timeout)
         forget_destroyed_groups()
+    if _worlds_created[0] == 0:
+        atexit.register(_destroy_process_group)
     _worlds_created[0] += 1
+    watch_for_peer_failures(prefix, rank, world_size)
 
 
 # Worlds this process has created (a list, to be updated in place).
@@ -252,9 +254,13 @@ def _destroy_process_group() -> None:
     # a peer is still finishing aborted one of them at exit in 2 of 12
     # 2-rank launches (none of 12 with the barrier). Bounded by a timeout,
     # since after a failure the peers may never arrive.
+    # A rank that failed (or saw a peer fail) does not wait: its peers are
+    # gone or going (failure.py).
+    failed = rank_failed()
+    stop_watching()
     if not torch_dist.is_initialized():
         return
-    if torch_dist.get_backend() == 'gloo' and torch_dist.get_world_size() > 1:
+    if torch_dist.get_backend() == 'gloo' and torch_dist.get_world_size() > 1 and not failed:
         # a peer that failed or is gone raises here: tear down anyway
         with contextlib.suppress(RuntimeError):
             torch_dist.monitored_barrier(

@@ -1,7 +1,8 @@
 """The MMEngine hooks DeepSpeedRunner replaces with DeepSpeed-aware ones, same arguments.
 
 ``CheckpointHook`` becomes :class:`DeepSpeedCheckpointHook` (deletes old
-checkpoints only after the new one is complete), ``EMAHook`` becomes
+checkpoints only after the new one is complete), a :class:`PreemptionHook`
+joins the default hooks (a stop signal saves and exits on every rank), ``EMAHook`` becomes
 :class:`DeepSpeedEMAHook` (averages gathered fp32 weights), and a
 :class:`ThroughputHook` is added unless the config has one.
 """
@@ -14,10 +15,12 @@ from mmengine.hooks import CheckpointHook, EMAHook
 from .checkpoint.hook import DeepSpeedCheckpointHook  # noqa: F401  registers it
 from .ema import DeepSpeedEMAHook  # noqa: F401  registers it
 from .monitor import ThroughputHook
+from .preemption import PreemptionHook  # noqa: F401  registers it
 
 
 def deepspeed_default_hooks(hooks: Optional[dict]) -> dict:
-    """``default_hooks`` with the checkpoint hook (given or MMEngine's default) swapped."""
+    """``default_hooks`` with the checkpoint hook (given or MMEngine's default) swapped
+    and ``preemption`` (:class:`PreemptionHook`) added unless set to None."""
     hooks = dict(hooks or {})
     checkpoint = hooks.get('checkpoint', dict(type='CheckpointHook', interval=1))
     if isinstance(checkpoint, dict) and checkpoint.get('type') in ('CheckpointHook',
@@ -25,6 +28,10 @@ def deepspeed_default_hooks(hooks: Optional[dict]) -> dict:
         checkpoint = dict(checkpoint, type='DeepSpeedCheckpointHook')
     if 'checkpoint' not in hooks or hooks['checkpoint'] is not None:
         hooks['checkpoint'] = checkpoint
+    # MMEngine accepts None only for its own default hooks: leave ours out instead.
+    preemption = hooks.pop('preemption', dict(type='PreemptionHook'))
+    if preemption is not None:
+        hooks['preemption'] = preemption
     return hooks
 
 

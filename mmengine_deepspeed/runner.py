@@ -24,6 +24,7 @@ wrapper, so they drive the learning rate DeepSpeed steps with. ``val()`` and
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import os.path as osp
@@ -63,11 +64,13 @@ from .engines import (
     named_optimizers,
     wrap_optimizers,
 )
+from .failure import failing_together
 from .hooks import deepspeed_custom_hooks, deepspeed_default_hooks
 from .monitor import banner, precision_note
 from .offload import check_nvme, cpu_optimizer
 from .optim_wrapper import DeepSpeedOptimWrapper
 from .partitioned import build_advice, gather_on_use, partitioned_construction
+from .preemption import PreemptionHook
 from .unused import zero3_unsupported
 
 CAST_DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': None}
@@ -240,7 +243,18 @@ class DeepSpeedRunner(CheckpointMethods):
 
     def train(self) -> nn.Module:
         """MMEngine's ``train()``; listed ``activation_checkpointing`` modules go
-        through DeepSpeed's checkpoint when ds_config has that section (``activation.py``)."""
+        through DeepSpeed's checkpoint when ds_config has that section (``activation.py``).
+
+        An error on this rank ends every rank at once (``failure.py``); a stop
+        signal ends them together after a checkpoint (``preemption.py``).
+        """
+        with failing_together(), contextlib.ExitStack() as signals:
+            for hook in self.hooks:
+                if isinstance(hook, PreemptionHook):
+                    signals.enter_context(hook.catching_signals())
+            return self._train()
+
+    def _train(self) -> nn.Module:
         listed = self.cfg.get('activation_checkpointing')
         if listed is None or not has_section(self._resolve_ds_config(next(iter(self._sides)),
                                                                       self.world_size)):
@@ -364,13 +378,15 @@ class DeepSpeedRunner(CheckpointMethods):
 
     def val(self) -> dict:
         """Validate; without prior training, through an engine without optimizer."""
-        self._ensure_engine()
-        return super().val()
+        with failing_together():
+            self._ensure_engine()
+            return super().val()
 
     def test(self) -> dict:
         """Test; without prior training, through an engine without optimizer."""
-        self._ensure_engine()
-        return super().test()
+        with failing_together():
+            self._ensure_engine()
+            return super().test()
 
     def register_default_hooks(self, hooks: Optional[dict] = None) -> None:
         """MMEngine's default hooks, with the crash-safe checkpoint hook (``hooks.py``)."""

@@ -184,6 +184,38 @@ class ToyCustomStepModel(ToyModel):
         return log_vars
 
 
+@MODELS.register_module()
+class ToyFailingModel(ToyModel):
+    """Raises in its training forward on one rank only (a corrupt sample there): by then
+    the other ranks are on their way into DeepSpeed's gradient all-reduce.
+
+    Args:
+        fail_rank (int): The rank that raises. Defaults to 1.
+        fail_iter (int): The 1-based training iteration it raises in. Defaults to 5.
+        first_attempt_only (bool): Raise only before any restart by the elastic agent
+            (``TORCHELASTIC_RESTART_COUNT`` 0). Defaults to False.
+    """
+
+    def __init__(self, fail_rank: int = 1, fail_iter: int = 5, first_attempt_only: bool = False,
+                 **kwargs: Any):
+        super().__init__(**kwargs)
+        self.fail_rank, self.fail_iter = fail_rank, fail_iter
+        self.first_attempt_only = first_attempt_only
+        self.training_forwards = 0
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        if mode == 'loss':
+            self.training_forwards += 1
+            attempt = int(os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0)
+            if self.training_forwards == self.fail_iter \
+                    and int(os.environ.get('RANK', 0)) == self.fail_rank \
+                    and not (self.first_attempt_only and attempt > 0):
+                raise RuntimeError(f'corrupt sample on rank {self.fail_rank} '
+                                   f'(training forward {self.fail_iter})')
+        return super().forward(inputs, labels, mode)
+
+
 def _outputs(logits: torch.Tensor, labels: Optional[torch.Tensor], mode: str) -> Any:
     if mode == 'loss':
         return dict(loss=nn.functional.cross_entropy(logits.float(), labels))

@@ -86,6 +86,37 @@ class FileSizeLimitHook(Hook):
                                (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
+@HOOKS.register_module()
+class SignalHook(Hook):
+    """Rank ``rank`` sends itself signal ``sig`` as iteration ``at_iter`` (1-based) begins, as a
+    scheduler's SIGTERM lands in the middle of training; with ``again_during_save`` a second
+    one arrives while the preemption checkpoint is being written. Only before any restart by
+    the elastic agent.
+
+    Args:
+        at_iter (int): The iteration during which the signal arrives.
+        rank (int): The rank that gets it. Defaults to 1.
+        sig (str): Its name. Defaults to ``'SIGTERM'``.
+        again_during_save (bool): Send it once more from ``before_save_checkpoint``.
+            Defaults to False.
+    """
+
+    def __init__(self, at_iter: int, rank: int = 1, sig: str = 'SIGTERM',
+                 again_during_save: bool = False):
+        self.at_iter, self.rank, self.again = at_iter, rank, again_during_save
+        self.signal = signal.Signals[sig]
+        self.first_attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT') in (None, '0')
+
+    def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
+        if self.first_attempt and runner.rank == self.rank and runner.iter + 1 == self.at_iter:
+            os.kill(os.getpid(), self.signal)
+
+    def before_save_checkpoint(self, runner: Any, checkpoint: dict) -> None:
+        if self.first_attempt and self.again and runner.rank == self.rank \
+                and runner.iter + 1 == self.at_iter:
+            os.kill(os.getpid(), self.signal)
+
+
 def run(out_dir: str, scenario: dict) -> None:
     name = scenario['name']
     mode = scenario.get('mode', 'train')

@@ -1,0 +1,179 @@
+"""One rank's failure ends every rank within seconds, whatever the group's timeout.
+
+A rank that raises (a corrupt sample, an OOM, a data-dependent bug) stops
+taking part in collectives while its peers are already inside one (DeepSpeed's
+gradient all-reduce); they would wait there for the process group's timeout,
+30 minutes by default, and NCCL would not even notice the peer is gone. So the
+failing rank says so through the job's rendezvous store (the TCPStore every
+launcher already provides), and every other rank watches that key from a
+daemon thread: on seeing it, it prints one line naming the failed rank and its
+error and leaves with :data:`PEER_FAILED_EXIT`, from wherever its main thread
+is blocked. The failing rank waits (briefly) until its peers have seen the
+failure, then raises as usual, so its traceback is the one error in the log;
+and it skips the exit barrier of ``dist.py``, which would wait for peers that
+are gone.
+
+Only the first failure is published (``compare_set``): a rank that fails
+because of another's failure reports that one. The keys live under the same
+per-world prefix as the rendezvous, so an old attempt's failure never stops
+a restarted job (``--max-restarts``).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Optional
+
+import torch.distributed as torch_dist
+
+# How often a rank looks for a peer's failure, and how long a failing rank
+# waits for its peers to have seen it (the store may live in its process).
+POLL_S = 0.5
+ACK_WAIT_S = 10.0
+# The exit status of a rank stopped because another rank failed.
+PEER_FAILED_EXIT = 1
+STORE_TIMEOUT = datetime.timedelta(seconds=30)
+
+logger = logging.getLogger(__name__)
+
+
+class _Channel:
+    """This rank's view of the job's failure key: publish, watch, acknowledge."""
+
+    def __init__(self, prefix: str, rank: int, world_size: int):
+        self.key, self.ack_key = f'{prefix}failure', f'{prefix}failure_seen'
+        self.rank, self.world_size = rank, world_size
+        self.failed = False  # this rank failed (or saw a peer fail): skip the exit barrier
+        self._stop = threading.Event()
+        # Clients of our own: the main thread's store (the process group's)
+        # may be held by a blocking call when the watcher needs one.
+        self._watch_store = self._client()
+        self._thread = threading.Thread(target=self._watch, name='mmengine_deepspeed-failure',
+                                        daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _client() -> torch_dist.TCPStore:
+        return torch_dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']),
+                                   is_master=False, timeout=STORE_TIMEOUT)
+
+    def _watch(self) -> None:
+        store = self._watch_store
+        while not self._stop.wait(POLL_S):
+            try:
+                if not store.check([self.key]):
+                    continue
+                failed_rank, _, error = store.get(self.key).decode().partition(':')
+                store.add(self.ack_key, 1)
+            except Exception:  # the store went away: the job is ending anyway
+                return
+            if int(failed_rank) == self.rank or self._stop.is_set():
+                return
+            self.failed = True
+            _say(f'[rank {self.rank}] stopping: rank {failed_rank} failed ({error}); its '
+                 'traceback is in its log. Exiting so the job ends now instead of '
+                 'waiting for the process-group timeout.')
+            os._exit(PEER_FAILED_EXIT)
+
+    def publish(self, error: BaseException) -> None:
+        """Tell every rank that this one failed, then wait until they have seen it."""
+        if self.failed:
+            return
+        self.failed = True
+        self._stop.set()
+        summary = ' '.join(f'{type(error).__name__}: {error}'.split())[:500]
+        try:
+            store = self._client()
+            first = store.compare_set(self.key, '', f'{self.rank}:{summary}').decode()
+            if not first.startswith(f'{self.rank}:'):
+                _say(f'[rank {self.rank}] failed after rank {first.partition(":")[0]} did: '
+                     f'{first.partition(":")[2]}')
+                return
+            deadline = time.monotonic() + ACK_WAIT_S
+            while store.add(self.ack_key, 0) < self.world_size - 1 \
+                    and time.monotonic() < deadline:
+                time.sleep(POLL_S / 5)
+        except Exception as e:  # the store is gone: the launcher is already ending the job
+            logger.debug(f'Could not publish the failure of rank {self.rank}: {e}')
+
+    def close(self) -> None:
+        """Stop watching (a clean exit, or the process group's teardown)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * POLL_S)
+
+
+def _say(line: str) -> None:
+    """One line on stderr, flushed before a hard exit."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    print(line, file=sys.stderr, flush=True)
+
+
+_channel: list[_Channel] = []  # the current world's, if it has more than one rank
+_previous_excepthook = sys.excepthook
+
+
+def watch_for_peer_failures(prefix: str, rank: int, world_size: int) -> None:
+    """Start watching for a failure of another rank (after the group exists).
+
+    Args:
+        prefix (str): This world's key prefix in the rendezvous store.
+        rank (int): This process's rank.
+        world_size (int): The number of ranks; one rank has no peers to stop.
+    """
+    stop_watching()
+    if world_size > 1:
+        _channel.append(_Channel(prefix, rank, world_size))
+        sys.excepthook = _excepthook
+
+
+def stop_watching() -> None:
+    """Stop the watcher of the current world (a clean exit or teardown)."""
+    while _channel:
+        _channel.pop().close()
+
+
+def report_failure(error: BaseException) -> None:
+    """Publish ``error`` as this rank's failure (the first one published wins)."""
+    if _channel:
+        _channel[0].publish(error)
+
+
+def rank_failed() -> bool:
+    """Whether this rank failed or saw a peer fail (its exit must not wait for peers)."""
+    return bool(_channel) and _channel[0].failed
+
+
+def is_failure(error: BaseException) -> bool:
+    """Whether ``error`` ends this rank alone (not a clean or agreed exit)."""
+    if isinstance(error, SystemExit):
+        return error.code not in (None, 0) and not getattr(error, 'agreed', False)
+    return True
+
+
+@contextmanager
+def failing_together() -> Iterator[None]:
+    """Publish any failure that leaves the block, then let it propagate."""
+    try:
+        yield
+    except BaseException as e:
+        if is_failure(e):
+            report_failure(e)
+        raise
+
+
+def _excepthook(kind: type[BaseException], error: BaseException,
+                tb: Optional[TracebackType]) -> None:
+    """An uncaught error outside the runner (the user's script) fails the job too."""
+    if is_failure(error):
+        report_failure(error)
+    _previous_excepthook(kind, error, tb)

@@ -1,0 +1,179 @@
+"""Preemption: a SIGTERM or SIGUSR1 on any rank stops every rank after a checkpoint.
+
+Slurm (preemption, ``--time``, ``scancel``) and Kubernetes (eviction) send
+SIGTERM, then SIGKILL after a grace period (slurm's ``KillWait``, 30 s by
+default); ``#SBATCH --signal=B:USR1@120`` asks for SIGUSR1 ahead of the time
+limit. :class:`PreemptionHook` turns either into a clean stop:
+
+1. while ``train()`` runs, the signal only sets a flag (never inside a step
+   or a collective, where a rank cannot stop alone);
+2. every ``interval`` iterations, at an accumulation boundary, the ranks
+   agree with one small all-reduce whether any of them got a signal, so a
+   rank that got none stops with the others;
+3. they save a complete checkpoint, named as CheckpointHook names it at that
+   iteration (``iter_N.pth``), ``last_checkpoint`` naming it;
+4. rank 0 logs one line saying why, and every rank exits with status
+   128 + the signal's number, as a process killed by it would: a scheduler
+   or wrapper sees a preemption, not a success, and ``--resume`` /
+   ``resume=True`` / ``--max-restarts`` continue exactly from there.
+
+A second signal while saving changes nothing: the save completes (a SIGKILL
+instead leaves a directory without ``COMPLETE``, never named by
+``last_checkpoint``). DeepSpeedRunner registers the hook as the default hook
+``preemption``; ``default_hooks=dict(preemption=None)`` turns it off.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import os.path as osp
+import signal
+import threading
+from collections.abc import Iterator, Sequence
+from types import FrameType
+from typing import Any, Optional
+
+import torch
+import torch.distributed as torch_dist
+from mmengine.hooks import CheckpointHook, Hook
+from mmengine.optim import OptimWrapperDict
+from mmengine.registry import HOOKS
+
+from .checkpoint.layout import LAST_CHECKPOINT, write_text_atomic
+
+DEFAULT_SIGNALS = ('SIGTERM', 'SIGUSR1')
+
+
+class Preempted(SystemExit):
+    """Every rank leaves ``train()`` together after the preemption checkpoint.
+
+    A ``SystemExit``: no traceback, and the process's exit status is
+    128 + the signal's number. ``agreed`` tells ``failure.py`` that this is
+    no single rank's failure.
+    """
+
+    agreed = True
+
+
+def _signal_numbers(names: Sequence[str]) -> list[signal.Signals]:
+    # SIGUSR1 does not exist on Windows
+    return [signal.Signals[name] for name in names if name in signal.Signals.__members__]
+
+
+@HOOKS.register_module()
+class PreemptionHook(Hook):
+    """Stop all ranks cleanly, with a checkpoint, when any rank gets a stop signal.
+
+    Args:
+        signals (Sequence[str]): Signal names to catch while training. Defaults
+            to ``('SIGTERM', 'SIGUSR1')``.
+        interval (int): Agree on a stop every this many iterations (one
+            all-reduce of ``world_size`` integers each time). Defaults to 1.
+    """
+
+    priority = 'LOWEST'  # after CheckpointHook, which may already save this iteration
+
+    def __init__(self, signals: Sequence[str] = DEFAULT_SIGNALS, interval: int = 1):
+        unknown = [name for name in signals
+                   if name not in signal.Signals.__members__ and name not in DEFAULT_SIGNALS]
+        if unknown:
+            raise ValueError(f'PreemptionHook(signals={list(signals)}): {unknown} are not '
+                             "signal names; use names such as 'SIGTERM', 'SIGUSR1'.")
+        if not isinstance(interval, int) or interval < 1:
+            raise ValueError(f'PreemptionHook(interval={interval!r}) must be an integer >= 1.')
+        self.signals = _signal_numbers(signals)
+        self.interval = interval
+        self.received: Optional[int] = None
+
+    @contextlib.contextmanager
+    def catching_signals(self) -> Iterator[None]:
+        """Catch the signals for the duration of the block (the runner's ``train()``).
+
+        Outside ``train()`` the previous handlers are in place again, so a
+        signal after a crash or after training ends the process as usual.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            yield  # Python delivers signals to the main thread only
+            return
+        previous = {number: signal.signal(number, self._on_signal) for number in self.signals}
+        try:
+            yield
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+
+    def _on_signal(self, number: int, frame: Optional[FrameType]) -> None:
+        if self.received is None:
+            self.received = number
+            name = signal.Signals(number).name
+            os.write(2, f'[rank {os.environ.get("RANK", "0")}] {name} received: stopping at '
+                        'the next iteration boundary, after a checkpoint.\n'.encode())
+
+    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
+                         outputs: Any = None) -> None:
+        """Agree on a stop; if any rank got a signal, save and leave ``train()``."""
+        if (runner.iter + 1) % self.interval or not _at_update_boundary(runner.optim_wrapper):
+            return
+        by_rank = self._agree()
+        if not any(by_rank):
+            return
+        number = max(by_rank)
+        path = save_preemption_checkpoint(runner)
+        ranks = [rank for rank, got in enumerate(by_rank) if got]
+        runner.logger.warning(
+            f'{signal.Signals(number).name} reached rank{"s" if len(ranks) > 1 else ""} '
+            f'{", ".join(map(str, ranks))}: stopped after iteration {runner.iter + 1} and saved '
+            f'{path}; resume with --resume (resume=True) to continue exactly from there.')
+        raise Preempted(128 + number)
+
+    def _agree(self) -> list[int]:
+        """Each rank's received signal (0: none), the same list on every rank."""
+        if not (torch_dist.is_initialized() and torch_dist.get_world_size() > 1):
+            return [self.received or 0]
+        from deepspeed.accelerator import get_accelerator
+
+        flags = torch.zeros(torch_dist.get_world_size(), dtype=torch.int32,
+                            device=get_accelerator().current_device_name()
+                            if torch_dist.get_backend() == 'nccl' else 'cpu')
+        flags[torch_dist.get_rank()] = self.received or 0
+        torch_dist.all_reduce(flags)
+        return [int(f) for f in flags.tolist()]
+
+
+def _at_update_boundary(optim_wrapper: Any) -> bool:
+    """Whether the last iteration updated the parameters (no accumulated gradients
+    are pending, which a checkpoint would not hold)."""
+    wrappers = (optim_wrapper.values() if isinstance(optim_wrapper, OptimWrapperDict)
+                else [optim_wrapper])
+    return all(w.should_update() for w in wrappers)
+
+
+def save_preemption_checkpoint(runner: Any) -> str:
+    """Save the checkpoint of this iteration as CheckpointHook would (collective).
+
+    An iteration-based CheckpointHook saves it itself (its name, its
+    ``max_keep_ckpts`` rotation), unless it already did at this iteration.
+    With an epoch-based one, or none, it is ``iter_N.pth`` in the hook's
+    ``out_dir`` (else ``work_dir``), outside the rotation.
+
+    Returns:
+        str: The checkpoint directory.
+    """
+    step = runner.iter + 1
+    meta = dict(epoch=runner.epoch, iter=step)
+    hook = next((h for h in runner.hooks if isinstance(h, CheckpointHook)), None)
+    if hook is not None and not hook.by_epoch:
+        path = osp.join(hook.out_dir, hook.filename_tmpl.format(step))
+        # The same answer on every rank (the hook records its saves alike).
+        if getattr(hook, 'last_ckpt', None) != path:
+            hook._save_checkpoint_with_step(runner, step, meta)  # name, rotation, last_checkpoint
+        return path
+    out_dir = hook.out_dir if hook is not None else runner.work_dir
+    filename = f'iter_{step}.pth'
+    runner.save_checkpoint(out_dir, filename, save_optimizer=getattr(hook, 'save_optimizer', True),
+                           save_param_scheduler=getattr(hook, 'save_param_scheduler', True),
+                           meta=meta, by_epoch=False)
+    path = osp.join(out_dir, filename)
+    if runner.rank == 0:
+        write_text_atomic(osp.join(runner.work_dir, LAST_CHECKPOINT), path)
+    return path
