@@ -13,6 +13,7 @@ from typing import Any, Optional
 from mmengine.hooks import CheckpointHook, EMAHook
 
 from .checkpoint.hook import DeepSpeedCheckpointHook  # noqa: F401  registers it
+from .checkpoint.loop import RandomStreamHook
 from .ema import DeepSpeedEMAHook  # noqa: F401  registers it
 from .monitor import ThroughputHook
 from .preemption import PreemptionHook  # noqa: F401  registers it
@@ -36,12 +37,13 @@ def deepspeed_default_hooks(hooks: Optional[dict]) -> dict:
 
 
 def deepspeed_custom_hooks(custom_hooks: Optional[list]) -> list[Any]:
-    """``custom_hooks`` with ``EMAHook`` swapped and a ``ThroughputHook`` added."""
+    """``custom_hooks`` with ``EMAHook`` swapped, a ``ThroughputHook`` and the
+    ``RandomStreamHook`` (validation off the training's random stream) added."""
     hooks = [dict(hook, type='DeepSpeedEMAHook')
              if isinstance(hook, dict) and hook.get('type') in ('EMAHook', EMAHook) else hook
              for hook in custom_hooks or []]
-    if not any(isinstance(h, ThroughputHook) or (isinstance(h, dict) and h.get('type') in
-                                                 ('ThroughputHook', ThroughputHook))
-               for h in hooks):
-        hooks.append(dict(type='ThroughputHook'))
+    for added in (ThroughputHook, RandomStreamHook):
+        if not any(isinstance(h, added) or (isinstance(h, dict) and h.get('type') in
+                                            (added.__name__, added)) for h in hooks):
+            hooks.append(dict(type=added.__name__))
     return hooks

@@ -34,14 +34,17 @@ from typing import Any, Optional, Union
 import deepspeed
 import torch
 from mmengine.config import Config
+from mmengine.dist import get_rank
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper, revert_sync_batchnorm
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.registry import RUNNERS
-from mmengine.runner import EpochBasedTrainLoop, Runner
+from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop, Runner
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 
 from .activation import checkpoint_through_deepspeed, has_section
+from .checkpoint.data_order import own_generator, seed_workers
 from .checkpoint.layout import SINGLE_ENGINE, find_latest_complete
 from .checkpoint.loop import ResumableEpochBasedTrainLoop  # noqa: F401  registers it
 from .checkpoint.reshard import Layout, load_universal_if_needed
@@ -231,15 +234,34 @@ class DeepSpeedRunner(CheckpointMethods):
         return convert_sync_batchnorm(model, sync_bn) if sync_bn is not None else model
 
     def build_train_loop(self, loop: Any) -> Any:
-        """MMEngine's train loop, with epoch-based loops able to resume mid-epoch."""
+        """MMEngine's train loops, resuming exactly and without reloading data (``loop.py``)."""
         # Both `type` and `by_epoch` are left for MMEngine to refuse, as it does.
         if isinstance(loop, dict) and not ('type' in loop and 'by_epoch' in loop):
             loop = dict(loop)
-            if loop.get('type') in ('EpochBasedTrainLoop', EpochBasedTrainLoop) \
-                    or ('type' not in loop and loop.get('by_epoch')):
+            kind = loop.get('type')
+            if kind in ('EpochBasedTrainLoop', EpochBasedTrainLoop) \
+                    or (kind is None and loop.get('by_epoch')):
                 loop['type'] = 'ResumableEpochBasedTrainLoop'
+            elif kind in ('IterBasedTrainLoop', IterBasedTrainLoop) \
+                    or (kind is None and loop.get('by_epoch') is False):
+                loop['type'] = 'ResumableIterBasedTrainLoop'
+            if loop.get('type') != kind:
                 loop.pop('by_epoch', None)
         return super().build_train_loop(loop)
+
+    @staticmethod
+    def build_dataloader(dataloader: Union[DataLoader, dict], seed: Optional[int] = None,
+                         diff_rank_seed: bool = False) -> DataLoader:
+        """MMEngine's ``build_dataloader``, its iterators off the global RNG (``data_order.py``).
+
+        Creating an iterator then draws nothing from the model's random
+        stream, and workers can reseed per sample, so a resumed run draws
+        what the uninterrupted run drew.
+        """
+        loader = Runner.build_dataloader(dataloader, seed=seed, diff_rank_seed=diff_rank_seed)
+        own_generator(loader, seed, get_rank())
+        seed_workers(loader)
+        return loader
 
     def train(self) -> nn.Module:
         """MMEngine's ``train()``; listed ``activation_checkpointing`` modules go

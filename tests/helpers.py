@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from mmengine.evaluator import BaseMetric
 from mmengine.hooks import Hook
@@ -123,6 +125,18 @@ class ToyDataset(Dataset):
         return dict(inputs=self.inputs[index], labels=self.labels[index])
 
 
+@DATASETS.register_module()
+class ToyRandomDataset(ToyDataset):
+    """Random augmentation as real pipelines draw it: torch, numpy and python noise per sample,
+    in DataLoader workers when there are any."""
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        item = super().__getitem__(index)
+        noise = (torch.randn(IN_FEATURES) * 0.05 + float(np.random.uniform(-0.05, 0.05))
+                 + random.uniform(-0.05, 0.05))
+        return dict(inputs=item['inputs'] + noise, labels=item['labels'])
+
+
 @MODELS.register_module()
 class ToyPreprocessor(BaseDataPreprocessor):
     """Moves the batch to the model's device and centres the inputs."""
@@ -182,6 +196,22 @@ class ToyCustomStepModel(ToyModel):
         optim_wrapper.update_params(loss)
         log_vars['custom_step'] = torch.tensor(1.0)
         return log_vars
+
+
+@MODELS.register_module()
+class ToyRandomModel(ToyModel):
+    """Draws random numbers on the main process's stream: dropout and ``torch.randn`` noise
+    while training (as a GAN's latent or DropPath), and noise in ``predict`` too (a sampling
+    model validated during training)."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.dropout = nn.Dropout(0.3)
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        logits = super().forward(self.dropout(inputs)) + torch.randn(inputs.shape[0], 1) * 0.1
+        return _outputs(logits, labels, mode)
 
 
 @MODELS.register_module()
@@ -279,11 +309,13 @@ def toy_config(work_dir: str, *, ds_config: Optional[dict] = None, max_iters: in
                model: Optional[dict] = None, with_bn: bool = True,
                param_scheduler: Any = 'default', val: bool = True,
                dataset_size: int = 32, seed: int = 42, checkpoint: Optional[dict] = None,
+               dataset_type: str = 'ToyDataset', num_workers: int = 0,
                val_interval: Optional[int] = None,
                **extra: Any) -> dict:
     """A complete MMEngine runner config for the toy problem.
 
-    ``checkpoint`` configures CheckpointHook (off by default); ``extra``
+    ``checkpoint`` configures CheckpointHook (off by default); ``dataset_type`` and
+    ``num_workers`` the training data; ``extra``
     keys (``resume``, ``load_from``...) are added to the config as they are.
 
     Returns:
@@ -309,8 +341,8 @@ def toy_config(work_dir: str, *, ds_config: Optional[dict] = None, max_iters: in
         model=model or dict(type='ToyModel', with_bn=with_bn),
         work_dir=work_dir,
         train_dataloader=dict(
-            batch_size=batch_size, num_workers=0,
-            dataset=dict(type='ToyDataset', size=dataset_size),
+            batch_size=batch_size, num_workers=num_workers,
+            dataset=dict(type=dataset_type, size=dataset_size),
             sampler=dict(type='DefaultSampler', shuffle=True, seed=seed),
             collate_fn=dict(type='default_collate')),
         train_cfg=train_cfg,

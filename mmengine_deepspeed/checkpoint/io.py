@@ -182,11 +182,8 @@ def resume(runner: Any, path: str, allow_unsafe: bool) -> dict[str, Any]:
     ckpt_meta = client['meta']
     runner.train_loop._epoch = ckpt_meta['epoch']
     runner.train_loop._iter = ckpt_meta['iter']
-    if hasattr(runner.train_loop, 'resume_within_epoch'):
-        skipped = runner.train_loop.resume_within_epoch()
-        if skipped:
-            runner.logger.info(f'Resuming inside epoch {ckpt_meta["epoch"] + 1}: skipping the '
-                               f'{skipped} batches already trained on.')
+    if hasattr(runner.train_loop, 'skip_trained_batches'):
+        runner.train_loop.skip_trained_batches()
     load_hub_state(runner.message_hub, client['message_hub'])
     states = client.get('param_schedulers')
     if states is not None and runner.param_schedulers:
