@@ -131,6 +131,18 @@ def device_ranks() -> int:
     return min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
 
 
+def device_name() -> str:
+    """The GPU's name, or the CPU's model name (a timing is only as good as its machine)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    try:
+        with open('/proc/cpuinfo', encoding='utf-8') as info:
+            return 'CPU ' + next(line.split(':', 1)[1].strip() for line in info
+                                 if line.startswith('model name'))
+    except (OSError, StopIteration):
+        return 'CPU (model unknown)'
+
+
 def torchrun(script: str, args: list[str], nproc: int = 2, timeout: float = 900) -> list[dict]:
     """Run ``script`` on ``nproc`` ranks; return the JSON lines it printed with ``RESULT``."""
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS='1')

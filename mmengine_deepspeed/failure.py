@@ -8,9 +8,10 @@ failing rank says so through the job's rendezvous store (the TCPStore every
 launcher already provides), and every other rank watches that key from a
 daemon thread: on seeing it, it prints one line naming the failed rank and its
 error and leaves with :data:`PEER_FAILED_EXIT`, from wherever its main thread
-is blocked. The failing rank waits (briefly) until its peers have seen the
-failure, then raises as usual, so its traceback is the one error in the log;
-and it skips the exit barrier of ``dist.py``, which would wait for peers that
+is blocked. The failing rank records its error for torchrun's summary (which
+then names it as the root cause) and, where the store lives in its own process
+(no elastic agent), waits briefly until its peers have seen the failure; then
+it raises as usual, so its traceback is the one error in the log; and it skips the exit barrier of ``dist.py``, which would wait for peers that
 are gone.
 
 Only the first failure is published (``compare_set``): a rank that fails
@@ -32,6 +33,7 @@ from types import TracebackType
 from typing import Optional
 
 import torch.distributed as torch_dist
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 # How often a rank looks for a peer's failure, and how long a failing rank
 # waits for its peers to have seen it (the store may live in its process).
@@ -96,6 +98,10 @@ class _Channel:
                 _say(f'[rank {self.rank}] failed after rank {first.partition(":")[0]} did: '
                      f'{first.partition(":")[2]}')
                 return
+            # torchrun's summary names this rank, with its traceback, as the root cause.
+            get_error_handler().record_exception(error)
+            if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
+                return  # the store lives in the agent, which outlives this rank
             deadline = time.monotonic() + ACK_WAIT_S
             while store.add(self.ack_key, 0) < self.world_size - 1 \
                     and time.monotonic() < deadline:

@@ -210,7 +210,8 @@ class ToyRandomModel(ToyModel):
 
     def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 mode: str = 'tensor') -> Any:
-        logits = super().forward(self.dropout(inputs)) + torch.randn(inputs.shape[0], 1) * 0.1
+        noise = torch.randn(inputs.shape[0], 1, device=inputs.device, dtype=inputs.dtype)
+        logits = super().forward(self.dropout(inputs)) + noise * 0.1
         return _outputs(logits, labels, mode)
 
 
@@ -310,12 +311,13 @@ def toy_config(work_dir: str, *, ds_config: Optional[dict] = None, max_iters: in
                param_scheduler: Any = 'default', val: bool = True,
                dataset_size: int = 32, seed: int = 42, checkpoint: Optional[dict] = None,
                dataset_type: str = 'ToyDataset', num_workers: int = 0,
+               persistent_workers: bool = False,
                val_interval: Optional[int] = None,
                **extra: Any) -> dict:
     """A complete MMEngine runner config for the toy problem.
 
-    ``checkpoint`` configures CheckpointHook (off by default); ``dataset_type`` and
-    ``num_workers`` the training data; ``extra``
+    ``checkpoint`` configures CheckpointHook (off by default); ``dataset_type``,
+    ``num_workers`` and ``persistent_workers`` the training data; ``extra``
     keys (``resume``, ``load_from``...) are added to the config as they are.
 
     Returns:
@@ -342,6 +344,7 @@ def toy_config(work_dir: str, *, ds_config: Optional[dict] = None, max_iters: in
         work_dir=work_dir,
         train_dataloader=dict(
             batch_size=batch_size, num_workers=num_workers,
+            persistent_workers=persistent_workers,
             dataset=dict(type=dataset_type, size=dataset_size),
             sampler=dict(type='DefaultSampler', shuffle=True, seed=seed),
             collate_fn=dict(type='default_collate')),

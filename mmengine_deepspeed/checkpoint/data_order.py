@@ -24,8 +24,9 @@ uninterrupted run drew, and start in seconds wherever it resumes:
   from the main process's stream, which the checkpoint restores as it was
   right after the last trained batch.
 
-A custom ``batch_sampler`` (grouped batches) is not wrapped: its skipped
-batches are loaded and dropped, as MMEngine does, which stays exact.
+A custom ``batch_sampler`` (grouped batches) and an ``IterableDataset`` are
+not wrapped: their skipped batches are loaded and dropped, as MMEngine does,
+which stays exact.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Sampler, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
 
 
 def stream_seed(*parts: int) -> int:
@@ -107,7 +108,10 @@ class ResumableSampler(Sampler):
 
     def __getattr__(self, name: str) -> Any:
         # set_epoch, dataset, ...: what code holding the batch sampler reads
-        return getattr(self.__dict__['sampler'], name)
+        sampler = self.__dict__.get('sampler')
+        if sampler is None:  # not initialised yet (copy, pickle)
+            raise AttributeError(name)
+        return getattr(sampler, name)
 
 
 def _seeded_getitem(getitem: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
@@ -171,10 +175,13 @@ def make_resumable(loader: DataLoader, seed: int, rank: int) -> Optional[Resumab
 
     Returns:
         ResumableSampler | None: The wrapper; None for a custom
-        ``batch_sampler`` or a loader without batches (left as they are).
+        ``batch_sampler``, a loader without batches, or an ``IterableDataset``
+        (whose data does not come through indices): left as they are, their
+        skipped batches are loaded and dropped.
     """
     batch_sampler = loader.batch_sampler
-    if loader.batch_size is None or batch_sampler is None:
+    if loader.batch_size is None or batch_sampler is None \
+            or isinstance(loader.dataset, IterableDataset):
         return None
     current = batch_sampler.sampler  # type: ignore[attr-defined]
     if isinstance(current, ResumableSampler):

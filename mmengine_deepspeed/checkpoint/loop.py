@@ -69,7 +69,8 @@ class ResumableEpochBasedTrainLoop(EpochBasedTrainLoop):
 
 def _log_skip(runner: Any, batches: int, where: str, at_sampler: bool) -> None:
     how = ('at the sampler: nothing is loaded for them' if at_sampler else
-           'by loading and dropping them (a custom batch_sampler cannot skip unloaded)')
+           'by loading and dropping them (a custom batch_sampler or an IterableDataset '
+           'cannot skip unloaded)')
     runner.logger.info(f'Resuming at iteration {runner.iter}: skipping the {batches} batches '
                        f'{where}already trained on, {how}.')
 
@@ -80,8 +81,9 @@ class EpochIterator:
 
     Args:
         loader (DataLoader): The train dataloader.
-        sampler (ResumableSampler, optional): Its wrapped sampler; None for a
-            custom ``batch_sampler``, whose batches are loaded to be skipped.
+        sampler (ResumableSampler, optional): Its wrapped sampler; None where
+            ``make_resumable`` left the loader as it was: batches are then loaded to
+            be skipped.
     """
 
     def __init__(self, loader: DataLoader, sampler: Optional[ResumableSampler]):

@@ -5,8 +5,9 @@ The model draws dropout masks and ``torch.randn`` noise in training and noise in
 torch, numpy and python noise to every sample, in DataLoader workers when there are any.
 An uninterrupted run saves every 2 iterations; runs resumed from a checkpoint inside an
 epoch and from one at an epoch boundary must end with the same weights, bit for bit, and
-log the same losses. Two launches: the iteration-based loop at ZeRO-2 with 2 workers per
-rank, the epoch-based loop at ZeRO-3 without workers (4 iterations an epoch).
+log the same losses. Three launches: the iteration-based loop at ZeRO-2 with 2 workers per
+rank, the epoch-based loop at ZeRO-3 without workers (4 iterations an epoch), and the
+epoch-based loop at ZeRO-2 with 2 persistent workers per rank.
 """
 from __future__ import annotations
 
@@ -37,8 +38,12 @@ ITER_BASED = dict(ds_config={'zero_optimization': {'stage': 2}}, max_iters=12,
 EPOCH_BASED = dict(ds_config={'zero_optimization': {'stage': 3}}, by_epoch=True, max_epochs=3,
                    model={'type': 'ToyRandomModel'}, dataset_type='ToyRandomDataset',
                    checkpoint=EVERY_2, log_level='INFO')
+# Workers that live across epochs, whose RNG would carry over from epoch to epoch.
+PERSISTENT = dict(EPOCH_BASED, ds_config={'zero_optimization': {'stage': 2}}, num_workers=2,
+                  persistent_workers=True)
 # (loop, resume points): 6 is inside the second epoch, 8 ends it.
-CASES = {'iter': (ITER_BASED, (6, 8)), 'epoch': (EPOCH_BASED, (6, 8))}
+CASES = {'iter': (ITER_BASED, (6, 8)), 'epoch': (EPOCH_BASED, (6, 8)),
+         'epoch_persistent_workers': (PERSISTENT, (6,))}
 
 
 @pytest.fixture(scope='module', params=sorted(CASES))

@@ -49,6 +49,9 @@ def test_one_rank_raising_ends_the_job_under_torchrun(tmp_path: Any) -> None:
     assert ERROR in proc.stdout and 'Traceback' in proc.stdout, proc.stdout[-4000:]
     assert PEER_LINE in proc.stdout, proc.stdout[-4000:]
     assert 'timed out' not in proc.stdout.lower() and 'Timeout' not in proc.stdout
+    root_cause = proc.stdout[proc.stdout.index('Root Cause (first observed failure)'):]
+    assert 'rank      : 1 (local_rank: 1)' in root_cause, root_cause
+    assert ERROR in root_cause, root_cause
 
 
 def _launch_without_agent(args: list[str], timeout: float) -> tuple[list[int], str, float]:

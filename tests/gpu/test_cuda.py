@@ -60,3 +60,41 @@ def test_benchmarks_run_on_cuda(command: str, fragments: tuple[str, ...]) -> Non
     assert proc.returncode == 0, proc.stdout[-6000:]
     for fragment in fragments:
         assert fragment in proc.stdout, proc.stdout[-6000:]
+
+
+def test_preemption_then_exact_resume_with_cuda_randomness(tmp_path: Any) -> None:
+    """nccl, one GPU: the model draws dropout masks and noise from the CUDA RNG, the data
+    adds noise in 2 DataLoader workers. SIGTERM during iteration 5 makes PreemptionHook save
+    ``iter_5.pth`` and leave ``train()`` with status 143; a runner resuming it ends equal to
+    an uninterrupted run bit for bit (the CUDA RNG state comes back with the rest)."""
+    from mmengine.config import Config
+    from mmengine.registry import RUNNERS
+
+    import mmengine_deepspeed  # noqa: F401
+    import tests.dist.worker  # noqa: F401  registers SignalHook
+    from mmengine_deepspeed.checkpoint.layout import is_complete
+    from mmengine_deepspeed.preemption import Preempted
+    from tests.helpers import model_state, recorder, toy_config
+
+    def runner_for(name: str, **extra: Any) -> Any:
+        cfg = toy_config(str(tmp_path / name), max_iters=10, model={'type': 'ToyRandomModel'},
+                         ds_config={'zero_optimization': {'stage': 2}, 'bf16': {'enabled': True}},
+                         dataset_type='ToyRandomDataset', num_workers=2, **extra)
+        cfg.update(runner_type='DeepSpeedRunner', experiment_name=name,
+                   env_cfg=dict(dist_cfg=dict(backend='nccl')))
+        return RUNNERS.build(Config(cfg))
+
+    straight = runner_for('straight')
+    straight.train()
+    expected = model_state(straight.model.module)
+    hooks = [{'type': 'RecorderHook'}, {'type': 'SignalHook', 'at_iter': 5, 'rank': 0}]
+    stopped = runner_for('stopped', custom_hooks=hooks)
+    with pytest.raises(Preempted) as exit_info:
+        stopped.train()
+    assert exit_info.value.code == 143
+    assert is_complete(str(tmp_path / 'stopped' / 'iter_5.pth'))
+    resumed = runner_for('resumed', resume=True, load_from=str(tmp_path / 'stopped' / 'iter_5.pth'))
+    resumed.train()
+    assert recorder(resumed).losses == recorder(straight).losses[5:]
+    for key, value in model_state(resumed.model.module).items():
+        assert torch.equal(value, expected[key]), key
