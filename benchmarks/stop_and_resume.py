@@ -33,6 +33,9 @@ from benchmarks.common import RandomTokens, device_name, device_ranks, table, to
 
 SLEEP_MS = 1.0
 BATCH = 2
+# One epoch holds every resume point: the figures are loading alone (MMEngine's iterator
+# also sleeps 2 s at each epoch end it crosses while fast-forwarding).
+DATASET_SIZE = 40_000
 
 
 @DATASETS.register_module()
@@ -84,7 +87,8 @@ def resume_cfg(work_dir: str, name: str, max_iters: int, sleep_ms: float,
         work_dir=work_dir, experiment_name=name, runner_type='DeepSpeedRunner',
         ds_config={'zero_optimization': {'stage': 2}},
         train_dataloader=dict(batch_size=BATCH, num_workers=0,
-                              dataset=dict(type='SlowTokens', size=256, sleep_ms=sleep_ms),
+                              dataset=dict(type='SlowTokens', size=DATASET_SIZE,
+                                           sleep_ms=sleep_ms),
                               sampler=dict(type='DefaultSampler', shuffle=True, seed=0),
                               collate_fn=dict(type='default_collate')),
         train_cfg=dict(type=loop, max_iters=max_iters),
