@@ -11,8 +11,9 @@ error and leaves with :data:`PEER_FAILED_EXIT`, from wherever its main thread
 is blocked. The failing rank records its error for torchrun's summary (which
 then names it as the root cause) and, where the store lives in its own process
 (no elastic agent), waits briefly until its peers have seen the failure; then
-it raises as usual, so its traceback is the one error in the log; and it skips the exit barrier of ``dist.py``, which would wait for peers that
-are gone.
+it raises as usual, so its traceback is the one error in the log; and it
+skips the exit barrier of ``dist.py``, which would wait for peers that are
+gone.
 
 Only the first failure is published (``compare_set``): a rank that fails
 because of another's failure reports that one. The keys live under the same
