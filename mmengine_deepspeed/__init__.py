@@ -13,6 +13,7 @@ from .dist import hide_cpu_accelerator_notice, init_distributed
 hide_cpu_accelerator_notice()  # before the imports below import DeepSpeed
 
 from .checkpoint import CheckpointError, export_checkpoint  # noqa: E402
+from .compat import check_upstream  # noqa: E402
 from .config import DsConfigError, MMEngineSide, resolve_ds_config  # noqa: E402
 from .engine import DeepSpeedEngineWrapper  # noqa: E402
 from .optim_wrapper import DeepSpeedOptimWrapper  # noqa: E402
@@ -21,6 +22,7 @@ from .runner import DeepSpeedRunner  # noqa: E402
 from .version import __version__  # noqa: E402
 
 register_deepspeed_optimizers()
+check_upstream()
 
 __all__ = [
     'CheckpointError',

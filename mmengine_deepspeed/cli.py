@@ -111,7 +111,7 @@ def run_training(config: str, work_dir: Optional[str], launcher: str, cfg_option
     import mmengine_deepspeed  # noqa: F401  registers DeepSpeedRunner
 
     cfg = load_train_config(config, work_dir, launcher, cfg_options, resume, zero, ds_config)
-    runner = RUNNERS.build(cfg)
+    runner = RUNNERS.build(cfg)  # type: ignore[arg-type]  # a Config, as MMEngine's tools pass
     if runner.rank == 0:
         print(f'mmengine-deepspeed: logs in {runner.log_dir}, checkpoints in {runner.work_dir}',
               flush=True)

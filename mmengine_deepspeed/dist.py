@@ -24,6 +24,7 @@ import torch
 import torch.distributed as torch_dist
 from mmengine.logging import print_log
 
+from .compat import cpu_probes, release_process_group_references
 from .failure import rank_failed, stop_watching, watch_for_peer_failures
 
 LAUNCHERS = ('none', 'pytorch', 'slurm', 'mpi')
@@ -47,9 +48,7 @@ def native_bf16() -> bool:
     """
     if cuda_available():
         return bool(torch.cuda.is_bf16_supported())
-    probes = (getattr(torch.cpu, name, None)
-              for name in ('_is_avx512_bf16_supported', '_is_amx_tile_supported'))
-    return any(bool(probe()) for probe in probes if probe is not None)
+    return any(bool(probe()) for probe in cpu_probes())
 
 
 def choose_backend(requested: Optional[str], has_cuda: bool) -> str:
@@ -238,8 +237,7 @@ def forget_destroyed_groups() -> None:
     ``destroy_process_group`` calls it); tests/dist/test_runner_contract.py
     trains a second runner after destroying the first one's group.
     """
-    from deepspeed.utils import groups
-    groups._release_process_group_references(group=None)
+    release_process_group_references()
 
 
 # How long a finishing rank waits at exit for the others to finish too.

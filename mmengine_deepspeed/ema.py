@@ -27,7 +27,9 @@ import torch
 from mmengine.hooks import EMAHook
 from mmengine.registry import HOOKS, MODELS
 from torch import nn
+from typing_extensions import override
 
+from .compat import resume_requested
 from .engine import gathered, whole_copy
 
 
@@ -68,6 +70,7 @@ class DeepSpeedEMAHook(EMAHook):
         """
         self._template = whole_copy(model).float()
 
+    @override
     def before_run(self, runner: Any) -> None:
         """Build the averaged model from the fp32 template."""
         if self._template is None:
@@ -77,6 +80,7 @@ class DeepSpeedEMAHook(EMAHook):
         self.ema_model = MODELS.build(self.ema_cfg, default_args=dict(model=self._template))
         self._template = None
 
+    @override
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
                          outputs: Optional[dict] = None) -> None:
         """Average the gathered fp32 weights (or copy them before EMA starts)."""
@@ -89,6 +93,7 @@ class DeepSpeedEMAHook(EMAHook):
                 for key, value in self.ema_model.module.state_dict().items():
                     value.data.copy_(current[key])
 
+    @override
     def _swap_ema_parameters(self) -> None:
         """Put the EMA weights into the model, or the trained ones back.
 
@@ -118,13 +123,15 @@ class DeepSpeedEMAHook(EMAHook):
     def _live_items(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.src_model.named_parameters()) + list(self.src_model.named_buffers())
 
+    @override
     def before_save_checkpoint(self, runner: Any, checkpoint: dict) -> None:
         """Save the averaged model (full fp32 weights, ``module.``-prefixed keys)."""
         checkpoint['ema_state_dict'] = self.ema_model.state_dict()
 
+    @override
     def after_load_checkpoint(self, runner: Any, checkpoint: dict) -> None:
         """Resume the averaged model; ``load_from`` weights are in the template already."""
-        if not runner._resume:
+        if not resume_requested(runner):
             return
         if 'ema_state_dict' in checkpoint:
             self.ema_model.load_state_dict(checkpoint['ema_state_dict'], strict=self.strict_load)

@@ -21,7 +21,9 @@ from mmengine.optim import OptimWrapper
 from mmengine.registry import MODEL_WRAPPERS
 from mmengine.structures import BaseDataElement
 from torch import nn
+from typing_extensions import override
 
+from .compat import module_hook_dicts
 from .scalars import broadcastable
 
 Data = Union[dict, tuple, list]
@@ -103,8 +105,7 @@ def whole_copy(module: nn.Module) -> nn.Module:
     with gathered(module):
         copied = copy.deepcopy(module)
     for child in copied.modules():
-        for hooks in (child._forward_pre_hooks, child._forward_hooks,
-                      child._backward_pre_hooks, child._backward_hooks):
+        for hooks in module_hook_dicts(child):
             for key in [k for k, hook in hooks.items() if _from_deepspeed(hook)]:
                 del hooks[key]
     return copied
@@ -153,6 +154,17 @@ class DeepSpeedEngineWrapper(nn.Module):
         whole = self.__dict__['_whole_model']
         return whole if whole is not None else self.engine.module
 
+    @override
+    def __getattr__(self, name: str) -> Any:
+        """The wrapper's own attributes, else the user's model's (``runner.model.backbone``),
+        as the bare model in one process and DeepSpeed's own engine give them."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith('__') or '_whole_model' not in self.__dict__:
+                raise
+            return getattr(self.module, name)
+
     def __deepcopy__(self, memo: dict) -> nn.Module:
         """The user's model, copied with its weights as they are (see :func:`whole_copy`).
 
@@ -165,6 +177,7 @@ class DeepSpeedEngineWrapper(nn.Module):
         memo[id(self)] = copied
         return copied
 
+    @override
     def train(self, mode: bool = True) -> DeepSpeedEngineWrapper:
         """Set training mode on every engine and the whole model (the loops call it)."""
         super().train(mode)
@@ -231,6 +244,7 @@ class DeepSpeedEngineWrapper(nn.Module):
         raise TypeError(
             f'The data_preprocessor must return a dict, tuple or list, got {type(batch)}.')
 
+    @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Forward through the engine (for code that calls the model itself).
 

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 from .checkpoint.layout import SINGLE_ENGINE
+from .compat import accumulative_counts
 from .config import MMEngineSide, zero_stage
 from .engine import DeepSpeedEngineWrapper, cast_floating
 from .model_settings import fit_to_model
@@ -91,7 +92,7 @@ def mmengine_sides(train_dataloader: Any, optim_wrapper: Any,
             if clip and getattr(wrapper, 'grad_name', 'grad_norm') == 'grad_value':
                 clip = dict(clip, type='value')
             return MMEngineSide(batch_size=batch_size,
-                                accumulative_counts=wrapper._accumulative_counts,
+                                accumulative_counts=accumulative_counts(wrapper),
                                 clip_grad=clip or None,
                                 optim_wrapper_type=type(wrapper).__name__,
                                 has_optim_wrapper=True, has_param_scheduler=has_scheduler)
@@ -161,19 +162,25 @@ def owned_submodules(model: nn.Module,
         dict[str, str]: ``{name: submodule path}``; ``{'model': ''}`` for one
         optimizer (an engine around the whole model).
     """
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    for key, optimizer in optimizers.items():
+        groups = optimizer.param_groups if optimizer is not None else []
+        foreign = [p for group in groups for p in group['params'] if id(p) not in names]
+        if foreign:
+            label = 'optim_wrapper' if key == SINGLE_ENGINE else f'optim_wrapper[{key!r}]'
+            shapes = ', '.join(str(list(p.shape)) for p in foreign[:3])
+            raise ValueError(
+                f'{label} optimizes {len(foreign)} parameters that are not the model\'s (shapes '
+                f'{shapes}{", ..." if len(foreign) > 3 else ""}): its optimizer was built on '
+                'another instance of the model. Build it on the parameters of the model the '
+                'runner trains (runner.model), or give optim_wrapper as a config so that '
+                'MMEngine builds it.')
     if list(optimizers) == [SINGLE_ENGINE]:
         return {SINGLE_ENGINE: ''}
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     owned: dict[str, set[int]] = {}
     for key, optimizer in optimizers.items():
         groups = optimizer.param_groups if optimizer is not None else []
         ids = {id(p) for group in groups for p in group['params']}
-        foreign = ids - names.keys()
-        if foreign:
-            raise ValueError(
-                f'optim_wrapper[{key!r}] optimizes {len(foreign)} parameters that are not the '
-                "model's (built on another instance of the model?); build it on the parameters "
-                'of runner.model / the model passed to the runner.')
         for other, other_ids in owned.items():
             shared = ids & other_ids
             if shared:

@@ -22,6 +22,7 @@ a restarted job (``--max-restarts``).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -40,9 +41,14 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 # waits for its peers to have seen it (the store may live in its process).
 POLL_S = 0.5
 ACK_WAIT_S = 10.0
+# Under torchrun, how long a stopped rank waits for the failed one to leave first, and after.
+EXIT_WAIT_S = 10.0
+EXIT_GRACE_S = 1.0
 # The exit status of a rank stopped because another rank failed.
 PEER_FAILED_EXIT = 1
 STORE_TIMEOUT = datetime.timedelta(seconds=30)
+# For a failing or leaving rank: the store may be gone with the rank that held it.
+LATE_STORE_TIMEOUT = datetime.timedelta(seconds=3)
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +58,10 @@ class _Channel:
 
     def __init__(self, prefix: str, rank: int, world_size: int):
         self.key, self.ack_key = f'{prefix}failure', f'{prefix}failure_seen'
+        self.exited_key = f'{prefix}failure_exiting'
         self.rank, self.world_size = rank, world_size
         self.failed = False  # this rank failed (or saw a peer fail): skip the exit barrier
+        self.published = False  # this rank's failure is the one published
         self._stop = threading.Event()
         # Clients of our own: the main thread's store (the process group's)
         # may be held by a blocking call when the watcher needs one.
@@ -63,9 +71,9 @@ class _Channel:
         self._thread.start()
 
     @staticmethod
-    def _client() -> torch_dist.TCPStore:
+    def _client(timeout: datetime.timedelta = STORE_TIMEOUT) -> torch_dist.TCPStore:
         return torch_dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']),
-                                   is_master=False, timeout=STORE_TIMEOUT)
+                                   is_master=False, timeout=timeout)
 
     def _watch(self) -> None:
         store = self._watch_store
@@ -83,7 +91,19 @@ class _Channel:
             _say(f'[rank {self.rank}] stopping: rank {failed_rank} failed ({error}); its '
                  'traceback is in its log. Exiting so the job ends now instead of '
                  'waiting for the process-group timeout.')
+            if _agent_keeps_store():
+                # Let the failed rank leave first: the agent's summary names the first
+                # rank it sees exit as the root cause.
+                self._wait_for(store, self.exited_key, EXIT_WAIT_S)
+                time.sleep(EXIT_GRACE_S)
             os._exit(PEER_FAILED_EXIT)
+
+    @staticmethod
+    def _wait_for(store: torch_dist.TCPStore, key: str, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        with contextlib.suppress(Exception):  # a store gone: stop waiting
+            while not store.check([key]) and time.monotonic() < deadline:
+                time.sleep(POLL_S / 5)
 
     def publish(self, error: BaseException) -> None:
         """Tell every rank that this one failed, then wait until they have seen it."""
@@ -91,17 +111,17 @@ class _Channel:
             return
         self.failed = True
         self._stop.set()
+        record_for_torchrun(error)
         summary = ' '.join(f'{type(error).__name__}: {error}'.split())[:500]
         try:
-            store = self._client()
+            store = self._client(LATE_STORE_TIMEOUT)
             first = store.compare_set(self.key, '', f'{self.rank}:{summary}').decode()
             if not first.startswith(f'{self.rank}:'):
                 _say(f'[rank {self.rank}] failed after rank {first.partition(":")[0]} did: '
                      f'{first.partition(":")[2]}')
                 return
-            # torchrun's summary names this rank, with its traceback, as the root cause.
-            get_error_handler().record_exception(error)
-            if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
+            self.published = True
+            if _agent_keeps_store():
                 return  # the store lives in the agent, which outlives this rank
             deadline = time.monotonic() + ACK_WAIT_S
             while store.add(self.ack_key, 0) < self.world_size - 1 \
@@ -111,10 +131,42 @@ class _Channel:
             logger.debug(f'Could not publish the failure of rank {self.rank}: {e}')
 
     def close(self) -> None:
-        """Stop watching (a clean exit, or the process group's teardown)."""
+        """Stop watching (a clean exit, or the process group's teardown); a rank whose
+        failure was published says it is leaving, which its peers wait for."""
         self._stop.set()
+        if self.published and _agent_keeps_store():  # (without one, the store may be gone)
+            with contextlib.suppress(Exception):
+                self._client(LATE_STORE_TIMEOUT).set(self.exited_key, '1')
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * POLL_S)
+
+
+def _agent_keeps_store() -> bool:
+    """Whether an elastic agent (torchrun) holds the store and watches the ranks' exits."""
+    return os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True'
+
+
+def record_for_torchrun(error: BaseException) -> None:
+    """Write ``error`` where torchrun's summary looks for a rank's root cause.
+
+    torch's error handler writes ``TORCHELASTIC_ERROR_FILE`` in place, and the
+    agent reads the file as soon as it sees any rank exit: here a peer that
+    this failure stopped, or the agent tearing down after a rank was killed.
+    A half-written file crashed the agent itself (``JSONDecodeError``), so the
+    file is written aside and renamed into place, before any peer can stop.
+    """
+    path = os.environ.get('TORCHELASTIC_ERROR_FILE')
+    if not path:
+        return
+    aside = f'{path}.{os.getpid()}.tmp'
+    os.environ['TORCHELASTIC_ERROR_FILE'] = aside
+    try:
+        get_error_handler().record_exception(error)
+        os.replace(aside, path)
+    except OSError as e:
+        logger.debug(f'Could not record the error for torchrun: {e}')
+    finally:
+        os.environ['TORCHELASTIC_ERROR_FILE'] = path
 
 
 def _say(line: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .compat import full_numel
 from .config import precision, zero_stage
 
 # DeepSpeed 0.19's default zero_optimization.reduce_bucket_size, in elements.
@@ -60,7 +61,7 @@ def fit_reduce_bucket(ds_config: dict, model: nn.Module) -> None:
     if zero_stage(ds_config) != 3 or not isinstance(zero, dict) \
             or 'reduce_bucket_size' in zero:
         return
-    trainable = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters()
+    trainable = sum(full_numel(p) for p in model.parameters()
                     if p.requires_grad)
     zero['reduce_bucket_size'] = max(1, min(DEEPSPEED_REDUCE_BUCKET, trainable))
 

@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 from mmengine.hooks import Hook, LoggerHook
 from mmengine.registry import HOOKS
+from typing_extensions import override
 
+from .compat import full_numel, local_partition
 from .config import get_value, precision, zero_stage
 from .dist import native_bf16
 
@@ -34,9 +36,9 @@ def parameter_counts(module: torch.nn.Module) -> tuple[int, int]:
     """(total parameters, parameters held by this rank); ZeRO-3 holds a partition."""
     total = held = 0
     for param in module.parameters():
-        numel = int(getattr(param, 'ds_numel', param.numel()))
+        numel = full_numel(param)
         total += numel
-        partition = getattr(param, 'ds_tensor', None)
+        partition = local_partition(param)
         held += int(partition.numel()) if partition is not None else numel
     return total, held
 
@@ -108,12 +110,14 @@ class ThroughputHook(Hook):
         self._reduce_every = interval or 10
         self._last: Optional[float] = None
 
+    @override
     def before_train(self, runner: Any) -> None:
         self._last = None
         if self.interval is None:
             loggers = [hook for hook in runner.hooks if isinstance(hook, LoggerHook)]
             self._reduce_every = loggers[0].interval if loggers else 10
 
+    @override
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
                          outputs: Optional[dict] = None) -> None:
         now = time.perf_counter()

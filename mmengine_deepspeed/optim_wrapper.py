@@ -30,7 +30,9 @@ from mmengine.optim import OptimWrapper
 from mmengine.registry import OPTIM_WRAPPERS
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
+from .compat import backward_prologue
 from .unused import UsedParameters, with_every_parameter
 
 
@@ -82,6 +84,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         self.find_unused_parameters = find_unused_parameters
         self._used_parameters = UsedParameters()
 
+    @override
     def update_params(self, loss: torch.Tensor, step_kwargs: Optional[dict] = None,
                       zero_kwargs: Optional[dict] = None) -> None:
         """Scale the loss, back-propagate and step the engine.
@@ -104,6 +107,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         self.backward(self.scale_loss(loss))
         self.step(**(step_kwargs or {}))
 
+    @override
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Back-propagate ``loss`` (already scaled) through the engine.
 
@@ -131,6 +135,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         # Read every time: GANs toggle requires_grad between their steps.
         return [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
 
+    @override
     def step(self, **kwargs: Any) -> None:
         """Step the engine; at a boundary this updates and logs the grad norm.
 
@@ -172,6 +177,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
             return float(torch.nn.utils.clip_grad_norm_(params, self.clip_max_norm))
         return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
 
+    @override
     def zero_grad(self, **kwargs: Any) -> None:
         """Clear gradients through DeepSpeed (it also does so after each update)."""
         inner = self.engine.optimizer
@@ -180,6 +186,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         else:
             self.engine.zero_grad()
 
+    @override
     def state_dict(self) -> dict:
         """Refused: under ZeRO each rank holds only its partition of the state.
 
@@ -191,12 +198,14 @@ class DeepSpeedOptimWrapper(OptimWrapper):
             'optimizer state is saved and resumed with the engine (runner.save_checkpoint / '
             'resume).')
 
+    @override
     def load_state_dict(self, state_dict: dict) -> None:
         """Refused, as :meth:`state_dict`."""
         raise RuntimeError(
             'DeepSpeedOptimWrapper.load_state_dict() is not supported; resume the runner from '
             'a checkpoint directory instead.')
 
+    @override
     @contextmanager
     def optim_context(self, model: nn.Module) -> Iterator[None]:
         """No-op: DeepSpeed decides when gradients are reduced.
@@ -233,7 +242,7 @@ def begin_backward_at(loss: torch.Tensor, engine: DeepSpeedEngine) -> torch.Tens
         engine.optimizer.clear_backward_seen_flag()
 
         def prologue(grad: torch.Tensor) -> torch.Tensor:
-            engine._backward_prologue()
+            backward_prologue(engine)
             return grad
 
         loss.register_hook(prologue)

@@ -36,14 +36,16 @@ import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from typing_extensions import override
 
+from .compat import full_numel, full_shape, is_zero3_param, set_full_shape
 from .config import zero_stage
 from .scalars import SCALAR_SHAPE, broadcastable
 
 
 def is_partitioned(model: nn.Module) -> bool:
     """Whether ``model``'s parameters were built by ``zero.Init`` (ZeRO-3 parameters)."""
-    return any(hasattr(p, 'ds_id') for p in model.parameters())
+    return any(is_zero3_param(p) for p in model.parameters())
 
 
 def _malloc_trim() -> Optional[Callable[[int], int]]:
@@ -87,7 +89,7 @@ class PartitionedInit(deepspeed.zero.Init):
         else:
             param.data = param.data.reshape(1)
             super()._zero_init_param(param)
-            param.ds_shape = SCALAR_SHAPE  # type: ignore[attr-defined]
+            set_full_shape(param, SCALAR_SHAPE)
             if param.data.numel() == 1:  # a persistent (small) parameter stays whole
                 param.data = param.data.view(SCALAR_SHAPE)
         if param.device.type == 'cpu':
@@ -137,7 +139,7 @@ def _partitioned(value: Any) -> bool:
 
 def largest_submodule(model: nn.Module) -> int:
     """Elements of the largest set of one module's own parameters."""
-    return max((sum(int(getattr(p, 'ds_numel', p.numel()))
+    return max((sum(full_numel(p)
                     for p in module.parameters(recurse=False))
                 for module in model.modules()), default=0)
 
@@ -162,13 +164,14 @@ class GatherOnUse(TorchFunctionMode):
         self._numel = 0
         self.peak_numel = 0
 
+    @override
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if func in PARAMETER_QUERIES:
             return func(*args, **kwargs)
         if func in SHAPE_QUERIES and args and _partitioned(args[0]):
-            whole = torch.empty(args[0].ds_shape, device='meta')
+            whole = torch.empty(full_shape(args[0]), device='meta')
             return func(whole, *args[1:], **kwargs)
         found: dict[int, nn.Parameter] = {}
         _zero_params(args, found)
@@ -182,7 +185,7 @@ class GatherOnUse(TorchFunctionMode):
         if key in self._held:
             self._held.move_to_end(key)
             return
-        numel = int(param.ds_numel)  # type: ignore[attr-defined]
+        numel = full_numel(param)
         while self._held and self._numel + numel > self._budget:
             self._give_back(next(iter(self._held)))
         gathered = deepspeed.zero.GatheredParameters([param], modifier_rank=0)
@@ -193,12 +196,13 @@ class GatherOnUse(TorchFunctionMode):
 
     def _give_back(self, key: int) -> None:
         param, gathered = self._held.pop(key)
-        self._numel -= int(param.ds_numel)  # type: ignore[attr-defined]
+        self._numel -= full_numel(param)
         # Leaving GatheredParameters broadcasts rank 0's values as bytes:
         # a whole 0-dim parameter is 1-dim just for that (scalars.py).
         with broadcastable([param]):
             gathered.__exit__(None, None, None)
 
+    @override
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         while self._held:

@@ -29,6 +29,12 @@ def read_scalars(work_dir: str) -> dict[str, dict[int, float]]:
     return series
 
 
+def is_loss(key: str) -> bool:
+    """Whether a scalar is a loss: ``loss`` in its name, or a validation ``nll`` (the demo's
+    metric, named so that MMEngine's log does not average it over validations)."""
+    return 'loss' in key or key.endswith('/nll')
+
+
 def plot_run(work_dir: str, out: Optional[str] = None) -> str:
     """Write the training loss, validation losses and learning rate of ``work_dir``.
 
@@ -48,7 +54,7 @@ def plot_run(work_dir: str, out: Optional[str] = None) -> str:
     out = out or osp.join(work_dir, 'curves.png')
     fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(11, 4))
     for key in sorted(series):
-        if 'loss' not in key:
+        if not is_loss(key):
             continue
         steps = sorted(series[key])
         style = dict(marker='o') if key.startswith('val') else {}

@@ -38,6 +38,7 @@ import torch.distributed as torch_dist
 from mmengine.hooks import CheckpointHook, Hook
 from mmengine.optim import OptimWrapperDict
 from mmengine.registry import HOOKS
+from typing_extensions import override
 
 from .checkpoint.layout import LAST_CHECKPOINT, write_text_atomic
 
@@ -109,6 +110,7 @@ class PreemptionHook(Hook):
             os.write(2, f'[rank {os.environ.get("RANK", "0")}] {name} received: stopping at '
                         'the next iteration boundary, after a checkpoint.\n'.encode())
 
+    @override
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
                          outputs: Any = None) -> None:
         """Agree on a stop; if any rank got a signal, save and leave ``train()``."""

@@ -42,6 +42,7 @@ from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop, Runner
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from .activation import checkpoint_through_deepspeed, has_section
 from .checkpoint.data_order import own_generator, seed_workers
@@ -49,6 +50,7 @@ from .checkpoint.layout import SINGLE_ENGINE, find_latest_complete
 from .checkpoint.loop import ResumableEpochBasedTrainLoop  # noqa: F401  registers it
 from .checkpoint.reshard import Layout, load_universal_if_needed
 from .checkpoint.runner_methods import CheckpointMethods
+from .compat import request_resume
 from .config import (
     DsConfigSource,
     bf16_request,
@@ -162,7 +164,7 @@ class DeepSpeedRunner(CheckpointMethods):
             self.logger.warning(f'Restart {restart} of this job: no complete checkpoint in '
                                 f'{self.work_dir} yet, starting over.')
             return
-        self._resume, self._load_from = True, latest
+        request_resume(self, latest)
         self.logger.warning(f'Restart {restart} of this job: resuming from {latest}, the latest '
                             'complete checkpoint.')
 
@@ -172,6 +174,7 @@ class DeepSpeedRunner(CheckpointMethods):
                                  cuda_available=cuda_available(),
                                  config_dir=self._config_dir, native_bf16=native_bf16())
 
+    @override
     def setup_env(self, env_cfg: dict) -> None:
         """Create the process group (CPU-safe, with a timeout), then MMEngine's setup.
 
@@ -183,6 +186,7 @@ class DeepSpeedRunner(CheckpointMethods):
         super().setup_env(env_cfg)
         quiet_deepspeed(self.rank, verbose=self.cfg.get('log_level', 'INFO') == 'DEBUG')
 
+    @override
     def build_model(self, model: Union[nn.Module, dict]) -> nn.Module:
         """MMEngine's ``build_model``; under ZeRO-3 a config is built partitioned.
 
@@ -204,6 +208,7 @@ class DeepSpeedRunner(CheckpointMethods):
                          'set zero_init=False to build it whole on every rank.')
         return built
 
+    @override
     def wrap_model(self, model_wrapper_cfg: Optional[dict], model: nn.Module) -> nn.Module:
         """Leave the model unwrapped: the engine needs the optimizer, built later.
 
@@ -233,6 +238,7 @@ class DeepSpeedRunner(CheckpointMethods):
         sync_bn = self.cfg.get('sync_bn', None)
         return convert_sync_batchnorm(model, sync_bn) if sync_bn is not None else model
 
+    @override
     def build_train_loop(self, loop: Any) -> Any:
         """MMEngine's train loops, resuming exactly and without reloading data (``loop.py``)."""
         # Both `type` and `by_epoch` are left for MMEngine to refuse, as it does.
@@ -249,6 +255,7 @@ class DeepSpeedRunner(CheckpointMethods):
                 loop.pop('by_epoch', None)
         return super().build_train_loop(loop)
 
+    @override
     @staticmethod
     def build_dataloader(dataloader: Union[DataLoader, dict], seed: Optional[int] = None,
                          diff_rank_seed: bool = False) -> DataLoader:
@@ -263,6 +270,7 @@ class DeepSpeedRunner(CheckpointMethods):
         seed_workers(loader)
         return loader
 
+    @override
     def train(self) -> nn.Module:
         """MMEngine's ``train()``; listed ``activation_checkpointing`` modules go
         through DeepSpeed's checkpoint when ds_config has that section (``activation.py``).
@@ -288,6 +296,7 @@ class DeepSpeedRunner(CheckpointMethods):
             self.cfg['activation_checkpointing'] = listed
             self._deepspeed_checkpointed = None
 
+    @override
     def _init_model_weights(self) -> None:
         """Run ``init_weights()`` once, before the DeepSpeed engine is built.
 
@@ -307,6 +316,7 @@ class DeepSpeedRunner(CheckpointMethods):
                 getattr(model, 'init_weights')()  # noqa: B009  (nn.Module typing)
         self._weights_initialized = True
 
+    @override
     def build_optim_wrapper(
         self, optim_wrapper: Union[Optimizer, OptimWrapper, dict]
     ) -> Union[OptimWrapper, OptimWrapperDict]:
@@ -398,22 +408,26 @@ class DeepSpeedRunner(CheckpointMethods):
         if not self.engines:
             self._build_engines({SINGLE_ENGINE: None})
 
+    @override
     def val(self) -> dict:
         """Validate; without prior training, through an engine without optimizer."""
         with failing_together():
             self._ensure_engine()
             return super().val()
 
+    @override
     def test(self) -> dict:
         """Test; without prior training, through an engine without optimizer."""
         with failing_together():
             self._ensure_engine()
             return super().test()
 
+    @override
     def register_default_hooks(self, hooks: Optional[dict] = None) -> None:
         """MMEngine's default hooks, with the crash-safe checkpoint hook (``hooks.py``)."""
         super().register_default_hooks(deepspeed_default_hooks(hooks))
 
+    @override
     def register_hooks(self, default_hooks: Optional[dict] = None,
                        custom_hooks: Optional[list] = None) -> None:
         """MMEngine's hooks, with ``EMAHook`` made DeepSpeed-aware and a ThroughputHook."""

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .compat import full_shape, set_full_shape
 from .config import precision, zero_stage
 
 SCALAR_SHAPE = torch.Size([])
@@ -46,7 +47,7 @@ SKIP_BROADCAST_MARK = 'ds_optim_param'
 
 def zero_dim_parameters(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
     """The 0-dim parameters among ``params`` (ZeRO-3 ones by their full shape)."""
-    return [p for p in params if getattr(p, 'ds_shape', p.shape) == SCALAR_SHAPE]
+    return [p for p in params if full_shape(p) == SCALAR_SHAPE]
 
 
 def engine_config(ds_config: dict, model: nn.Module) -> dict:
@@ -86,7 +87,7 @@ def initializable(model: nn.Module, zero3: bool) -> Iterator[None]:
         with broadcastable(scalars):
             yield
         for param in scalars:
-            param.ds_shape = SCALAR_SHAPE  # type: ignore[attr-defined]
+            set_full_shape(param, SCALAR_SHAPE)
         return
     device = deepspeed.get_accelerator().current_device_name()
     for param in scalars:

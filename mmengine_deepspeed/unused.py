@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from typing_extensions import override
 
 SWITCH = ("model_wrapper_cfg=dict(type='MMDistributedDataParallel', "
           'find_unused_parameters=True)')
@@ -141,11 +142,13 @@ class _AllGradients(torch.autograd.Function):
     rank), and DeepSpeed's reduction hooks fire in that order.
     """
 
+    @override
     @staticmethod
     def forward(ctx: Any, holder: list, *params: torch.Tensor) -> torch.Tensor:
         ctx.holder = holder  # [loss, params, retain_graph], kept out of this node's graph
         return params[0].new_zeros((), dtype=torch.float32)
 
+    @override
     @staticmethod
     def backward(ctx: Any, upstream: torch.Tensor) -> tuple:
         loss, params, retain_graph = ctx.holder

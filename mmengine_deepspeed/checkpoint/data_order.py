@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
+from typing_extensions import override
 
 
 def stream_seed(*parts: int) -> int:
@@ -71,6 +72,7 @@ class SampleIndex(int):
         made.seed = seed
         return made
 
+    @override
     def __reduce__(self) -> tuple[Any, tuple[int, int]]:
         return SampleIndex, (int(self), self.seed)
 
@@ -94,6 +96,7 @@ class ResumableSampler(Sampler):
         """Make the next pass the one of ``epoch``, starting ``skip`` indices in."""
         self.epoch, self._skip = epoch, skip
 
+    @override
     def __iter__(self) -> Iterator[int]:
         skip, self._skip = self._skip, 0
         indices = iter(self.sampler)

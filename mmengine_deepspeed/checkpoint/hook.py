@@ -17,6 +17,7 @@ from typing import Any, Optional
 from mmengine.dist import is_main_process
 from mmengine.hooks import CheckpointHook
 from mmengine.registry import HOOKS
+from typing_extensions import override
 
 from .export import publish_checkpoint
 
@@ -27,6 +28,7 @@ class DeepSpeedCheckpointHook(CheckpointHook):
 
     max_keep_ckpts: int
 
+    @override
     def _save_checkpoint_with_step(self, runner: Any, step: int, meta: dict) -> None:
         # Overrides a private method of CheckpointHook (MMEngine 0.10): it is
         # the one place the removal happens; tests/unit pin its behaviour.
@@ -49,6 +51,7 @@ class DeepSpeedCheckpointHook(CheckpointHook):
             elif os.path.isfile(path):
                 os.remove(path)
 
+    @override
     def _publish_model(self, runner: Any, ckpt_path: str) -> None:
         # Overrides a private method of CheckpointHook (MMEngine 0.10), which
         # reads the checkpoint as one file; ours is a directory.

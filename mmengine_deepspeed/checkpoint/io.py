@@ -22,6 +22,7 @@ from mmengine.optim import OptimWrapperDict
 from mmengine.runner import EpochBasedTrainLoop
 from torch import nn
 
+from ..compat import set_loop_position
 from ..config import precision, zero_stage
 from ..partitioned import gather_on_use
 from ..version import __version__
@@ -180,8 +181,7 @@ def resume(runner: Any, path: str, allow_unsafe: bool) -> dict[str, Any]:
     if OUTSIDE_ENGINES_KEY in client:
         runner.bare_model.load_state_dict(client[OUTSIDE_ENGINES_KEY], strict=False)
     ckpt_meta = client['meta']
-    runner.train_loop._epoch = ckpt_meta['epoch']
-    runner.train_loop._iter = ckpt_meta['iter']
+    set_loop_position(runner.train_loop, ckpt_meta['epoch'], ckpt_meta['iter'])
     if hasattr(runner.train_loop, 'skip_trained_batches'):
         runner.train_loop.skip_trained_batches()
     load_hub_state(runner.message_hub, client['message_hub'])

@@ -18,13 +18,14 @@ other ones than the run that never stopped.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from mmengine.dataset import InfiniteSampler
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS, LOOPS
 from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from .data_order import ResumableSampler, make_resumable
 from .state import rng_state, set_rng_state
@@ -50,6 +51,7 @@ class ResumableEpochBasedTrainLoop(EpochBasedTrainLoop):
             _log_skip(self.runner, self._skip_batches, f'of epoch {self._epoch + 1} ',
                       self._sampler is not None)
 
+    @override
     def run_epoch(self) -> None:
         """Iterate one epoch, from the first batch a mid-epoch checkpoint had not seen."""
         skip, self._skip_batches = self._skip_batches, 0
@@ -141,12 +143,13 @@ class ResumableIterBasedTrainLoop(IterBasedTrainLoop):
 
     def __init__(self, runner: Any, *args: Any, **kwargs: Any):
         super().__init__(runner, *args, **kwargs)
-        self.dataloader_iterator = EpochIterator(
-            self.dataloader, make_resumable(self.dataloader, runner.seed, runner.rank))
+        # Ours in place of MMEngine's _InfiniteDataloaderIterator (the loop only calls next()).
+        self.dataloader_iterator = cast(Any, EpochIterator(
+            self.dataloader, make_resumable(self.dataloader, runner.seed, runner.rank)))
 
     def skip_trained_batches(self) -> None:
         """Arrange for ``run()``'s fast-forward over the trained iterations to load nothing."""
-        iterator: EpochIterator = self.dataloader_iterator
+        iterator = cast(EpochIterator, self.dataloader_iterator)
         iterator.fast_forward(self._iter)
         if self._iter:
             _log_skip(self.runner, self._iter, '', iterator.sampler is not None)
@@ -167,9 +170,11 @@ class RandomStreamHook(Hook):
     def __init__(self) -> None:
         self._saved: Optional[dict] = None
 
+    @override
     def before_val(self, runner: Any) -> None:
         self._saved = rng_state()
 
+    @override
     def after_val(self, runner: Any) -> None:
         if self._saved is not None:
             set_rng_state(self._saved)

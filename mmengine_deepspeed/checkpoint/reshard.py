@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from typing_extensions import override
 
 from .layout import CheckpointError, check_checkpoint, has_optimizer_state, write_text_atomic
 from .safe_load import safe_load
@@ -40,6 +41,7 @@ class Layout:
     world_size: int
     zero_stage: int
 
+    @override
     def __str__(self) -> str:
         return f'world size {self.world_size}, ZeRO-{self.zero_stage}'
 

@@ -10,16 +10,20 @@ from __future__ import annotations
 import os.path as osp
 from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from mmengine.model import is_model_wrapper
 from mmengine.runner import Runner
 from torch import nn
+from typing_extensions import override
 
 from ..engine import gathered
 from . import io as ckpt_io
 from .layout import CheckpointError, find_latest_complete
 from .save import save_failure
+
+# MMEngine's names for the local disk (FileClient's 'disk', the file backends' 'local').
+LOCAL_BACKENDS = ('local', 'disk')
 
 
 class CheckpointMethods(Runner):
@@ -38,8 +42,9 @@ class CheckpointMethods(Runner):
     @property
     def bare_model(self) -> nn.Module:
         """The user's model, wrapped or not."""
-        return self.model.module if is_model_wrapper(self.model) else self.model
+        return cast(nn.Module, self.model.module) if is_model_wrapper(self.model) else self.model
 
+    @override
     def load_checkpoint(self, filename: str, map_location: Any = 'cpu', strict: bool = False,
                         revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)) -> dict:
         """Load weights (our checkpoint directory, ``.pth`` or ``.safetensors``).
@@ -77,6 +82,7 @@ class CheckpointMethods(Runner):
         self._has_loaded = True
         return checkpoint
 
+    @override
     def save_checkpoint(self, out_dir: str, filename: str,
                         file_client_args: Optional[dict] = None, save_optimizer: bool = True,
                         save_param_scheduler: bool = True, meta: Optional[dict] = None,
@@ -90,9 +96,14 @@ class CheckpointMethods(Runner):
         consolidated weights and no optimizer state (``weights.py``);
         resuming from it restores everything else.
         """
-        if file_client_args is not None or backend_args is not None:
-            raise ValueError('DeepSpeedRunner saves checkpoints to a local (or mounted) '
-                             'directory; remove file_client_args / backend_args.')
+        for key, args in (('file_client_args', file_client_args),
+                          ('backend_args', backend_args)):
+            if args and args.get('backend') not in LOCAL_BACKENDS:
+                raise ValueError(
+                    f'CheckpointHook {key}={args} names a remote storage backend; '
+                    'DeepSpeedRunner saves checkpoints to a local (or mounted) directory: '
+                    f'remove {key}, or copy the checkpoint directory to remote storage after '
+                    'the save.')
         weights_only = not (save_optimizer and self.has_training_engines())
         if save_optimizer and weights_only:
             self.logger.info(f'No optimizer exists yet (train() builds it): {filename} holds '
@@ -115,6 +126,7 @@ class CheckpointMethods(Runner):
                 self.logger.error(message)
             raise CheckpointError(message) from e
 
+    @override
     def resume(self, filename: str, resume_optimizer: bool = True,
                resume_param_scheduler: bool = True, map_location: Any = 'default') -> None:
         """Resume everything from checkpoint directory ``filename`` (collective).
@@ -160,6 +172,7 @@ class CheckpointMethods(Runner):
             self._resume_target = (path,)
         return self._resume_target[0]
 
+    @override
     def load_or_resume(self) -> None:
         """Resume (latest complete checkpoint, or ``load_from``) or load weights.
 

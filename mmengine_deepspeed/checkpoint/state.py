@@ -35,8 +35,8 @@ def hub_state(hub: MessageHub) -> dict[str, Any]:
     """``hub.state_dict()`` with every HistoryBuffer as plain lists."""
     state = hub.state_dict()
     scalars = {
-        key: {'log_history': [float(v) for v in buf._log_history],
-              'count_history': [float(v) for v in buf._count_history],
+        key: {'log_history': [float(v) for v in buf.data[0]],
+              'count_history': [float(v) for v in buf.data[1]],
               'max_length': int(buf.max_length)}
         for key, buf in state['log_scalars'].items()
     }

@@ -29,6 +29,7 @@ from deepspeed.utils import (
 )
 from torch import nn
 
+from ..compat import full_shape, has_separate_master, is_zero3_param, local_partition
 from ..engine import gathered_params
 from .layout import CheckpointError
 
@@ -44,7 +45,7 @@ def _holds_master(param: torch.Tensor) -> bool:
     ``safe_get_full_fp32_param`` would raise on it; for a frozen one it
     returns None. tests/dist/test_runner_contract.py pins the round trip.
     """
-    return hasattr(param, '_z3_optimizer') or hasattr(param, '_hp_mapping')
+    return has_separate_master(param)
 
 
 def _unique_entries(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
@@ -63,7 +64,7 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
         master = safe_get_full_fp32_param(value)
         if master is not None:
             return master.detach().cpu()
-    if hasattr(value, 'ds_id'):
+    if is_zero3_param(value):
         with gathered_params([value]):  # type: ignore[list-item]
             return value.detach().cpu().clone()
     return value.detach().cpu().clone()
@@ -101,7 +102,7 @@ def _check_fits(model: nn.Module, state: dict[str, torch.Tensor], source: str) -
     missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
     wrong = [f'{key} {tuple(state[key].shape)} (model: {tuple(shape)})'
              for key, value in own.items() if key in state
-             for shape in [getattr(value, 'ds_shape', value.shape)]
+             for shape in [full_shape(value)]
              if tuple(state[key].shape) != tuple(shape)]
     if missing or unexpected or wrong:
         raise CheckpointError(
@@ -127,7 +128,7 @@ def load_full_state_dict(model: nn.Module, optimizers: Iterable[Any],
         for key, value, first in _unique_entries(model):
             if not first:
                 continue
-            if hasattr(value, 'ds_id'):
+            if is_zero3_param(value):
                 with gathered_params([value], modify=True):  # type: ignore[list-item]
                     value.data.copy_(state[key])
             else:
@@ -144,16 +145,18 @@ def load_full_state_dict(model: nn.Module, optimizers: Iterable[Any],
 
 def _set_master(param: Any, value: torch.Tensor) -> None:
     """Set DeepSpeed's fp32 master of ``param`` (a parameter) to the whole ``value``."""
-    if not hasattr(param, 'ds_id'):
+    if not is_zero3_param(param):
         safe_set_full_fp32_param(param, value.to(param.device))
         return
     # DeepSpeed 0.19's ZeRO-3 set_full_hp_param cuts the unpadded value into
     # padded partitions: on the last rank it fails for a parameter whose size
     # is not a multiple of the world size (a 0-dim one on 2 ranks). This
     # rank's partition is set instead, through the public local setter.
-    size = param.ds_tensor.numel()
+    partition = local_partition(param)
+    assert partition is not None  # a ZeRO-3 parameter
+    size = partition.numel()
     start = size * dist.get_rank(group=getattr(param, 'ds_process_group', None))
     piece = value.flatten()[start:start + size]
     local = torch.zeros(size, dtype=torch.float32)
     local[:piece.numel()] = piece
-    safe_set_local_fp32_param(param, local.to(param.ds_tensor.device))
+    safe_set_local_fp32_param(param, local.to(partition.device))

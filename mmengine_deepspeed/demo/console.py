@@ -18,6 +18,7 @@ from typing import Any, Optional, TextIO
 
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
+from typing_extensions import override
 
 BAR_WIDTH = 30
 
@@ -78,9 +79,11 @@ class DemoProgressHook(Hook):
     def __init__(self) -> None:
         self._start = 0.0
 
+    @override
     def before_train(self, runner: Any) -> None:
         self._start = time.perf_counter()
 
+    @override
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
                          outputs: Optional[dict] = None) -> None:
         if _console is None or not outputs or 'loss' not in outputs:
@@ -90,12 +93,14 @@ class DemoProgressHook(Hook):
         _console.write('\r' + line)
         _console.flush()
 
+    @override
     def after_val_epoch(self, runner: Any, metrics: Optional[dict] = None) -> None:
         if _console is None or not metrics:
             return
         shown = '  '.join(f'{k} {float(v):.3f}' for k, v in metrics.items())
         _console.write(f'\n  validation at iteration {runner.iter}: {shown}\n')
 
+    @override
     def after_train(self, runner: Any) -> None:
         if _console is not None:
             _console.write('\n')

@@ -15,6 +15,7 @@ from collections import Counter
 import torch
 from mmengine.registry import DATASETS
 from torch.utils.data import Dataset
+from typing_extensions import override
 
 DEFAULT_BYTES = 1_000_000
 VAL_FRACTION = 0.1
@@ -80,6 +81,7 @@ class StdlibText(Dataset):
     def __len__(self) -> int:
         return (len(self.tokens) - self.block_size - 1) // self.stride + 1
 
+    @override
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         start = index * self.stride
         window = self.tokens[start:start + self.block_size + 1]

@@ -10,6 +10,7 @@ from mmengine.evaluator import BaseMetric
 from mmengine.model import BaseModel
 from mmengine.registry import METRICS, MODELS
 from torch import nn
+from typing_extensions import override
 
 
 class Block(nn.Module):
@@ -25,6 +26,7 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
                                  nn.Linear(4 * width, width))
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
@@ -57,6 +59,7 @@ class TinyGPT(BaseModel):
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab_size, bias=False)
 
+    @override
     def init_weights(self) -> None:
         """GPT-2 style: normal(0, 0.02) weights, zero biases."""
         for module in self.modules():
@@ -73,8 +76,10 @@ class TinyGPT(BaseModel):
             x = block(x)
         return self.head(self.norm(x))
 
-    def forward(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None,
-                mode: str = 'tensor') -> Any:
+    @override
+    def forward(  # type: ignore[override]  # MMEngine calls forward(**batch): its own keys
+            self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None,
+            mode: str = 'tensor') -> Any:
         logits = self.logits(inputs)
         if mode == 'tensor':
             return logits
@@ -101,12 +106,20 @@ class TinyGPT(BaseModel):
 
 @METRICS.register_module()
 class ValLoss(BaseMetric):
-    """Mean next-byte cross-entropy over the validation set (nats per byte)."""
+    """Mean next-byte cross-entropy over the validation set (nats per byte), as ``val/nll``.
+
+    Not named ``loss``: MMEngine's LogProcessor averages every key matching its
+    ``mean_pattern`` (``loss``, ``time``...) over its window, for validation metrics too,
+    so its log line and ``scalars.json`` would show the mean of the last validations
+    instead of this one's value.
+    """
 
     default_prefix = 'val'
 
+    @override
     def process(self, data_batch: Any, data_samples: Sequence[dict]) -> None:
         self.results.extend(float(s['loss']) for s in data_samples)
 
+    @override
     def compute_metrics(self, results: list) -> dict[str, float]:
-        return dict(loss=sum(results) / max(len(results), 1))
+        return dict(nll=sum(results) / max(len(results), 1))

@@ -103,7 +103,7 @@ def _after_training(work_dir: str) -> dict[str, Any]:
         raise RuntimeError(f'training finished without a complete checkpoint in {work_dir}')
     weights = export_checkpoint(checkpoint, osp.join(work_dir, 'demo_gpt.pth'))
     curves = plot_run(work_dir, osp.join(work_dir, 'loss_curve.png'))
-    val = read_scalars(work_dir)['val/loss']
+    val = read_scalars(work_dir)['val/nll']
     model_cfg = dict(Config.fromfile(CONFIG).model)
     model_cfg.pop('type')
     model_cfg.pop('data_preprocessor', None)

@@ -38,6 +38,8 @@ CASES: dict[str, dict] = {
         interval=3, by_epoch=False, save_best='accuracy', rule='greater')),
     'no_param_scheduler': dict(max_iters=4, checkpoint=hook(interval=4, by_epoch=False,
                                                             save_param_scheduler=False)),
+    'local_backend_args': dict(max_iters=4, checkpoint=hook(
+        interval=2, by_epoch=False, backend_args=dict(backend='local'))),
     # Constant lr: MMEngine's resume without optimizer state restarts from the configured
     # lr, where ours restores the scheduled one (the learning rates are not its moments).
     'no_optimizer': dict(max_iters=4, param_scheduler=None, checkpoint=hook(

@@ -105,6 +105,7 @@ def test_trains(results: dict, name: str) -> None:
     bf16 = 'bf16' in cfg['ds_config']
     assert r0['param_dtype'] == ('torch.bfloat16' if bf16 else 'torch.float32')
     assert r0['wrapper'] == 'DeepSpeedEngineWrapper'
+    assert r0['fc1_through_wrapper']  # runner.model.fc1: the user's submodule
     assert r0['global_steps'] == 8  # one update per iteration, 8 iterations
     losses = r0['losses']
     assert len(losses) == 8

@@ -169,6 +169,8 @@ def run(out_dir: str, scenario: dict) -> None:
             if 'train/grad_norm' in hub.log_scalars else None)
     module = runner.model.module
     result['head_used'] = getattr(module, 'head_used', None)
+    # a submodule read through the wrapper, as through the bare model in one process
+    result['fc1_through_wrapper'] = getattr(runner.model, 'fc1', None) is module.fc1
     if mode == 'plain':
         result.update(state=model_state(module), shapes={k: tuple(v.shape) for k, v in
                                                          module.state_dict().items()})

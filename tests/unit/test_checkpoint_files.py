@@ -414,3 +414,17 @@ def test_save_failure_names_a_full_disk_and_what_resumes(tmp_path: Any) -> None:
     wrapped = RuntimeError('basic_ios::clear: iostream error')
     wrapped.__cause__ = full
     assert 'the disk is full' in save_failure(failing, wrapped, work)
+
+
+@pytest.mark.parametrize(('key', 'args'), [('backend_args', {'backend': 'petrel'}),
+                                           ('file_client_args', {'backend': 'http'})])
+def test_a_remote_checkpoint_backend_is_refused_by_name(key: str, args: dict) -> None:
+    """Local ones (``'local'``, FileClient's ``'disk'``) are accepted
+    (tests/dist/test_checkpoint_hook.py saves with one); remote ones fail before anything
+    is written."""
+    from mmengine_deepspeed.checkpoint.runner_methods import CheckpointMethods
+
+    with pytest.raises(ValueError, match=rf"CheckpointHook {key}=.* names a remote storage "
+                                         rf"backend.*remove {key}"):
+        CheckpointMethods.save_checkpoint(object(), '/nonexistent', 'iter_1.pth',  # type: ignore[arg-type]
+                                          **{key: args})

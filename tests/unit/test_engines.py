@@ -69,6 +69,15 @@ def test_parameters_of_another_model_instance_are_refused() -> None:
         owned_submodules(model, optimizers)
 
 
+def test_one_optimizer_on_another_model_instance_is_refused_before_deepspeed() -> None:
+    """DeepSpeed itself dies on it (KeyError at ZeRO-2, AttributeError 'partition_numel' at
+    ZeRO-3) without saying which parameters."""
+    model = ToyGAN()
+    with pytest.raises(ValueError, match=r"^optim_wrapper optimizes \d+ parameters that are "
+                                         r"not the model's \(shapes \[.*runner\.model"):
+        owned_submodules(model, {'model': _adam(ToyGAN())})
+
+
 def test_constructor_builds_one_wrapper_per_submodule_with_its_paramwise_cfg() -> None:
     model = ToyGAN()
     constructor = OPTIM_WRAPPER_CONSTRUCTORS.build(dict(

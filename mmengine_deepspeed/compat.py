@@ -1,0 +1,187 @@
+"""Every touch of a private DeepSpeed, MMEngine or torch name, in one place.
+
+Where no public API does what we need, the private name is used here and only
+here, each with the reason and the test that pins the behaviour we rely on.
+Methods we override under a private name stay in their classes (marked
+``@override``, which mypy checks against MMEngine) and are listed in
+:data:`PRIVATE_NAMES` too. At import, :func:`check_upstream` warns when the
+installed DeepSpeed or MMEngine is outside the supported range, or when a
+private name we use or override is gone: an upstream rename then says so at
+once, instead of silently skipping an override.
+"""
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+from packaging.version import Version
+from torch import nn
+
+# Supported [lowest, next-unsupported) versions; pyproject.toml pins the same.
+SUPPORTED = {'deepspeed': ('0.19', '0.20'), 'mmengine': ('0.10.7', '0.11')}
+
+# (module, class or None, name): the private names used or overridden, and why.
+PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
+    ('deepspeed.runtime.engine', 'DeepSpeedEngine', '_backward_prologue',
+     'ZeRO-3 gradient accumulation through an optimizer stepped outside the engine\'s '
+     'forward (tests/dist/test_train.py parity_custom_step_zero3_accum2)'),
+    ('deepspeed.utils.groups', None, '_release_process_group_references',
+     'a second world in one process (tests/dist/test_runner_contract.py)'),
+    ('deepspeed.runtime.zero.partition_parameters', 'Init', '_zero_init_param',
+     'overridden: 0-dim parameters built partitioned (tests/dist/test_partitioned.py)'),
+    ('mmengine.hooks', 'CheckpointHook', '_save_checkpoint_with_step',
+     'overridden: rotation after the save; called for preemption checkpoints '
+     '(tests/unit/test_checkpoint_files.py, tests/dist/test_failures.py)'),
+    ('mmengine.hooks', 'CheckpointHook', '_publish_model',
+     'overridden: publishing from a checkpoint directory (tests/dist/test_checkpoint_hook.py)'),
+    ('mmengine.hooks', 'EMAHook', '_swap_ema_parameters',
+     'overridden: swapping gathered ZeRO-3 weights (tests/dist/test_checkpoint.py EMA cases)'),
+)
+
+
+def _version(package: str) -> Optional[Version]:
+    try:
+        return Version(importlib.import_module(package).__version__)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def unsupported_versions() -> list[str]:
+    """The installed packages outside :data:`SUPPORTED`, as readable lines."""
+    lines = []
+    for package, (lowest, above) in SUPPORTED.items():
+        found = _version(package)
+        if found is not None and not Version(lowest) <= found < Version(above):
+            lines.append(f'{package} {found} (supported: >={lowest},<{above})')
+    return lines
+
+
+def missing_private_names() -> list[str]:
+    """The private names of :data:`PRIVATE_NAMES` that the installed packages lack."""
+    missing = []
+    for module_name, class_name, name, why in PRIVATE_NAMES:
+        try:
+            owner: Any = importlib.import_module(module_name)
+            if class_name is not None:
+                owner = getattr(owner, class_name)
+        except (ImportError, AttributeError):
+            missing.append(f'{module_name}.{class_name or ""} (for {why})')
+            continue
+        if not hasattr(owner, name):
+            missing.append(f'{module_name}.{class_name + "." if class_name else ""}{name} '
+                           f'(for {why})')
+    return missing
+
+
+def check_upstream() -> None:
+    """Warn once, naming the fix, when DeepSpeed / MMEngine are not what we support."""
+    versions, missing = unsupported_versions(), missing_private_names()
+    if versions:
+        warnings.warn('mmengine-deepspeed is tested with ' + '; '.join(versions) + '. Install '
+                      'the supported versions (pip install "deepspeed>=0.19,<0.20" '
+                      '"mmengine>=0.10.7,<0.11"); others may train differently.', stacklevel=2)
+    if missing:
+        warnings.warn('These names that mmengine-deepspeed relies on are gone from the '
+                      'installed packages, so the features listed will not work: '
+                      + '; '.join(missing), stacklevel=2)
+
+
+# --- DeepSpeed -------------------------------------------------------------------------
+
+def backward_prologue(engine: Any) -> None:
+    """DeepSpeed's per-backward bookkeeping, for a backward the engine did not start.
+
+    ``engine.backward`` runs it only for losses of the engine's own forward;
+    no public API runs it otherwise (see :data:`PRIVATE_NAMES`).
+    """
+    engine._backward_prologue()
+
+
+def release_process_group_references() -> None:
+    """Drop DeepSpeed's cached process groups of a destroyed world.
+
+    DeepSpeed's own ``destroy_process_group`` calls it; after torch's
+    ``destroy_process_group()`` nothing public does.
+    """
+    from deepspeed.utils import groups
+    groups._release_process_group_references(group=None)
+
+
+# ZeRO-3 parameter attributes. DeepSpeed documents ``ds_shape`` / ``ds_numel`` /
+# ``ds_tensor`` on partitioned parameters but offers no accessor functions.
+
+def is_zero3_param(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a ZeRO-3 (``zero.Init`` or engine) parameter."""
+    return hasattr(param, 'ds_id')
+
+
+def full_numel(param: torch.Tensor) -> int:
+    """The whole parameter's number of elements (a partitioned one holds fewer)."""
+    return int(getattr(param, 'ds_numel', param.numel()))
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """The whole parameter's shape (a partitioned one is empty until gathered)."""
+    return torch.Size(getattr(param, 'ds_shape', param.shape))
+
+
+def set_full_shape(param: torch.Tensor, shape: torch.Size) -> None:
+    """Set the shape ZeRO-3 restores on gather (no public setter; 0-dim parameters)."""
+    param.ds_shape = shape  # type: ignore[attr-defined]
+
+
+def local_partition(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """This rank's ZeRO-3 partition of ``param`` (None for a whole parameter)."""
+    return getattr(param, 'ds_tensor', None)
+
+
+def has_separate_master(param: torch.Tensor) -> bool:
+    """Whether DeepSpeed keeps an fp32 master of ``param`` apart from it.
+
+    ZeRO-3 marks its parameters with ``_z3_optimizer`` and ZeRO-1/2 with
+    ``_hp_mapping``, which ``deepspeed.utils.safe_get_full_fp32_param``
+    itself checks (tests/unit/test_weights_only.py).
+    """
+    return hasattr(param, '_z3_optimizer') or hasattr(param, '_hp_mapping')
+
+
+# --- MMEngine ---------------------------------------------------------------------------
+
+def accumulative_counts(wrapper: Any) -> int:
+    """An ``OptimWrapper``'s ``accumulative_counts`` (stored, but not exposed)."""
+    return int(wrapper._accumulative_counts)
+
+
+def set_loop_position(loop: Any, epoch: int, iteration: int) -> None:
+    """Restore a train loop's epoch and iteration (MMEngine's ``resume`` does the same)."""
+    loop._epoch = epoch
+    loop._iter = iteration
+
+
+def resume_requested(runner: Any) -> bool:
+    """Whether the runner resumes (``resume=True``), which Runner keeps as ``_resume``."""
+    return bool(runner._resume)
+
+
+def request_resume(runner: Any, path: Optional[str]) -> None:
+    """Make the runner resume from ``path`` (None: the latest checkpoint in ``work_dir``)."""
+    runner._resume, runner._load_from = True, path
+
+
+# --- torch ------------------------------------------------------------------------------
+
+def module_hook_dicts(module: nn.Module) -> tuple[dict, ...]:
+    """A module's forward/backward hook dicts: torch removes hooks only by handle, and a
+    copy of a module carries its hooks without their handles."""
+    return (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
+            module._backward_hooks)
+
+
+def cpu_probes() -> list[Callable[[], bool]]:
+    """torch's CPU feature probes for native bf16 (AVX512-BF16, AMX); private in torch.cpu,
+    pinned against /proc/cpuinfo by tests/unit/test_upstream_traps.py."""
+    names = ('_is_avx512_bf16_supported', '_is_amx_tile_supported')
+    return [probe for probe in (getattr(torch.cpu, name, None) for name in names)
+            if probe is not None]

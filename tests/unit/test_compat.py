@@ -1,0 +1,41 @@
+"""compat.py: the supported versions and the private names we rely on are checked at import."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from mmengine.logging import HistoryBuffer
+
+from mmengine_deepspeed import compat
+
+
+def test_the_pinned_environment_passes_silently() -> None:
+    assert compat.unsupported_versions() == []
+    assert compat.missing_private_names() == []
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        compat.check_upstream()
+
+
+def test_an_unsupported_version_is_named_with_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(compat.SUPPORTED, 'deepspeed', ('0.20', '0.21'))
+    with pytest.warns(UserWarning, match=r'deepspeed 0\.19\.\d+ \(supported: >=0\.20,<0\.21\)'):
+        compat.check_upstream()
+
+
+def test_a_renamed_private_name_is_reported_with_what_needs_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compat, 'PRIVATE_NAMES', (
+        ('mmengine.hooks', 'CheckpointHook', '_save_renamed', 'the rotation'),
+        ('deepspeed.utils.groups', None, '_release_process_group_references', 'worlds')))
+    assert compat.missing_private_names() == [
+        'mmengine.hooks.CheckpointHook._save_renamed (for the rotation)']
+    with pytest.warns(UserWarning, match='_save_renamed'):
+        compat.check_upstream()
+
+
+def test_the_public_history_of_a_buffer_is_what_we_save() -> None:
+    """state.hub_state reads HistoryBuffer.data (public), not its private lists."""
+    buffer = HistoryBuffer([1.0, 2.0], [1, 1], max_length=5)
+    assert [float(v) for v in buffer.data[0]] == [1.0, 2.0]
+    assert [float(v) for v in buffer.data[1]] == [1.0, 1.0]
