@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 from mmengine.hooks import EMAHook
+from mmengine.model import is_model_wrapper
 from mmengine.registry import HOOKS, MODELS
 from torch import nn
 from typing_extensions import override
@@ -72,13 +73,18 @@ class DeepSpeedEMAHook(EMAHook):
 
     @override
     def before_run(self, runner: Any) -> None:
-        """Build the averaged model from the fp32 template."""
-        if self._template is None:
-            raise RuntimeError('DeepSpeedEMAHook needs DeepSpeedRunner, which hands it an fp32 '
-                               'copy of the model before DeepSpeed partitions it.')
-        self.src_model = runner.model.module
-        self.ema_model = MODELS.build(self.ema_cfg, default_args=dict(model=self._template))
-        self._template = None
+        """Build the averaged model from the fp32 template.
+
+        Driven by hand before ``train()`` / ``val()`` / ``test()`` built the
+        engines (as MMEngine's tests and some user hooks drive hooks), it
+        copies the model as it is now, gathered under ZeRO-3.
+        """
+        template, self._template = self._template, None
+        model = runner.model.module if is_model_wrapper(runner.model) else runner.model
+        if template is None:
+            template = whole_copy(model).float()
+        self.src_model = model
+        self.ema_model = MODELS.build(self.ema_cfg, default_args=dict(model=template))
 
     @override
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,

@@ -8,6 +8,9 @@ Usage (under torchrun): ``contract_worker.py OUT_DIR SCENARIO_JSON [...]``. Each
 ``"deepcopy": true`` deep-copies ``runner.model`` and runs the copy. Before training,
 ``"resume_first": PATH`` calls ``runner.resume(PATH)`` and ``"load_or_resume_first": true``
 ``runner.load_or_resume()``; ``"val_only": true`` validates without training.
+``"ema_by_hand": true`` drives the EMA hook's ``before_run`` / ``before_val_epoch`` /
+``after_val_epoch`` by hand before anything (the averaged weights set to 0.5), keeping the
+model's weights before, during and after the swap.
 ``"save_first": FILENAME`` calls ``runner.save_checkpoint`` before anything else (the
 model's weights then are kept as ``first_state``), and ``"save_after": {FILENAME:
 save_optimizer}`` after validating. Each rank writes ``OUT_DIR/NAME.rankR.pt`` (final
@@ -28,6 +31,7 @@ from mmengine.config import Config
 import mmengine_deepspeed  # noqa: F401
 import tests.toy_layered  # noqa: F401  registers LayeredModel
 from mmengine_deepspeed import DeepSpeedRunner
+from mmengine_deepspeed.ema import DeepSpeedEMAHook
 from tests.helpers import model_state, probe_inputs, recorder, run_scenarios, toy_config
 
 
@@ -35,12 +39,31 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     name = scenario['name']
     cfg = toy_config(osp.join(out_dir, name), **scenario['cfg'])
     cfg['launcher'] = 'pytorch'
+    # Runners built in the same second would share MessageHub and the logger (README,
+    # Known limits), whose duplicate-warning filter would swallow a second run's warning.
+    cfg.setdefault('experiment_name', name)
     runner = DeepSpeedRunner.from_cfg(Config(cfg))
     result: dict[str, Any] = {}
     if 'save_first' in scenario:  # before train() or val(): no engine yet
         runner.save_checkpoint(runner.work_dir, scenario['save_first'], by_epoch=False)
         with deepspeed.zero.GatheredParameters(list(runner.bare_model.parameters())):
             result['first_state'] = model_state(runner.bare_model)
+    if scenario.get('ema_by_hand'):  # EMAHook's steps called by hand, before any engine
+        hook = next(h for h in runner.hooks if isinstance(h, DeepSpeedEMAHook))
+        bare = runner.bare_model
+        with deepspeed.zero.GatheredParameters(list(bare.parameters())):
+            result['before'] = model_state(bare)
+        hook.before_run(runner)
+        with torch.no_grad():
+            for param in hook.ema_model.module.parameters():
+                param.fill_(0.5)
+        hook.before_val_epoch(runner)
+        with deepspeed.zero.GatheredParameters(list(bare.parameters())):
+            result['swapped_in'] = model_state(bare)
+        hook.after_val_epoch(runner)
+        with deepspeed.zero.GatheredParameters(list(bare.parameters())):
+            result['swapped_back'] = model_state(bare)
+        result['parameter_names'] = [n for n, _ in bare.named_parameters()]
     if 'resume_first' in scenario:  # runner.resume(path) before train()
         runner.resume(scenario['resume_first'])
     if scenario.get('load_or_resume_first'):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import os.path as osp
 from typing import Any
 
@@ -49,9 +50,19 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> str:
              scenario('z3_1to2', cfg(3, 2, resume=True, load_from=ckpt('one_z3'))),
              scenario('z2_to_z3', cfg(3, 2, resume=True, load_from=ckpt('two_z2')))]),
     ]
+    cached = osp.join(ckpt('two_z2'), 'deepspeed_universal')
+    stamps = []
     for nproc, items in launches:
         proc = run_torchrun(['tests/dist/worker.py', out, *items], nproc=nproc, timeout=400)
         assert proc.returncode == 0, proc.stdout[-8000:]
+        # the conversion's per-parameter files with their modification times, after each
+        # launch (the files around them are adapted to the loading stage, on purpose)
+        stamps.append({osp.relpath(p, cached): os.stat(p).st_mtime_ns
+                       for p in glob.glob(osp.join(cached, 'zero', '*', '*.pt'))}
+                      | ({'CONVERTED': os.stat(osp.join(cached, 'CONVERTED')).st_mtime_ns}
+                         if osp.isfile(osp.join(cached, 'CONVERTED')) else {}))
+    with open(osp.join(out, 'conversion_stamps.json'), 'w') as f:
+        json.dump(stamps, f)
     return out
 
 
@@ -78,6 +89,13 @@ def test_resharded_run_continues_the_straight_curve(out: str, resumed: str, stra
     assert got[0]['global_steps'] == 8
 
 
-def test_conversion_is_cached_beside_the_checkpoint(out: str) -> None:
-    converted = osp.join(out, 'two_z2', 'iter_4.pth', 'deepspeed_universal', 'CONVERTED')
-    assert osp.isfile(converted)
+def test_conversion_is_cached_beside_the_checkpoint_and_reused(out: str) -> None:
+    """two_z2's checkpoint is converted by the second launch (to 1 rank) and resumed again
+    by the third (to ZeRO-3 on 2 ranks): the third converts nothing, every per-parameter
+    file of the conversion is the one the second wrote."""
+    with open(osp.join(out, 'conversion_stamps.json')) as f:
+        before, after_first, after_reuse = json.load(f)
+    assert before == {}
+    assert 'CONVERTED' in after_first and len(after_first) > 3
+    assert all(after_reuse[name] == stamp for name, stamp in after_first.items()), \
+        {n for n, s in after_first.items() if after_reuse.get(n) != s}

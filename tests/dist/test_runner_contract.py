@@ -71,7 +71,11 @@ TWO_RANKS = [scenario('z2_first', 2, deepcopy=True), scenario('z2_again', 2, des
               'save_after': {'after_val.pth': True}, 'destroy': True,
               'cfg': {**LAYERED_BF16_Z3, 'ds_config': {'zero_optimization': {'stage': 3}}}},
              {'name': 'saves_z2', 'save_first': 'before.pth', 'val_only': True,
-              'save_after': {'after_val.pth': True}, 'cfg': Z2}]
+              'save_after': {'after_val.pth': True}, 'cfg': Z2},
+             # EMAHook driven by hand on a model built partitioned (ZeRO-3), then val()
+             {'name': 'ema_by_hand', 'ema_by_hand': True, 'val_only': True, 'destroy': True,
+              'cfg': {'ds_config': {'zero_optimization': {'stage': 3}},
+                      'custom_hooks': [{'type': 'RecorderHook'}, {'type': 'EMAHook'}]}}]
 ONE_RANK = [scenario('z2_first', 2, destroy=True), scenario('z3_first', 3, destroy=True),
             scenario('z3_again', 3, destroy=True),
             # a weights-only checkpoint of 2 ranks at ZeRO-3, resumed on 1 rank at ZeRO-2
@@ -223,3 +227,17 @@ def test_save_checkpoint_before_train_and_after_val(results: dict) -> None:
         if name != 'z1':
             _assert_same(consolidated_state_dict(osp.join(folder, 'after_val.pth')),
                          rank0['state'], f'{name} after val')
+
+
+def test_ema_hook_driven_by_hand_swaps_the_averaged_weights(results: dict) -> None:
+    """MMEngine's EMAHook tests (and some user hooks) call before_run, then
+    before_val_epoch / after_val_epoch, before any engine exists: under ZeRO-3 the averaged
+    weights go in and the model's come back, whole."""
+    for rank in results[2]['ema_by_hand']:
+        assert rank['parameter_names']
+        for name in rank['parameter_names']:
+            assert torch.equal(rank['swapped_in'][name],
+                               torch.full_like(rank['before'][name], 0.5)), name
+        for key, value in rank['before'].items():
+            assert torch.equal(rank['swapped_back'][key], value), key
+        assert 'accuracy' in rank['metrics']  # val() afterwards builds its engine and runs

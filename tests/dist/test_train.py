@@ -16,7 +16,16 @@ import torch
 from mmengine.config import Config
 from mmengine.runner import Runner
 
-from tests.helpers import ToyModel, ema_state, model_state, recorder, run_torchrun, toy_config
+from tests.helpers import (
+    ToyDataset,
+    ToyModel,
+    ema_state,
+    model_state,
+    probe_inputs,
+    recorder,
+    run_torchrun,
+    toy_config,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -172,4 +181,16 @@ def test_test_only_builds_engine_without_optimizer(results: dict) -> None:
         # ZeRO-3 without an optimizer: only the parameter-partitioning
         # front-end, no optimizer states.
         assert rank['engine_optimizer'] == 'DeepSpeedZeRoOffload'
-        assert 0.0 <= rank['test_metrics']['accuracy'] <= 1.0
+    # What the plain model computes with the weights the engine held (BatchNorm in eval
+    # mode; MMEngine's test() leaves the weights as built: no init_weights, no load_from).
+    data = ToyDataset(size=16, seed=1)
+    for rank in results['test_only_zero3']:
+        model = ToyModel()
+        model.load_state_dict(rank['state'])
+        model.eval()
+        with torch.no_grad():
+            inputs = model.data_preprocessor(dict(inputs=data.inputs, labels=data.labels))
+            accuracy = float((model(inputs['inputs']).argmax(1) == data.labels).float().mean())
+            probe = model(probe_inputs())
+        assert rank['test_metrics']['accuracy'] == pytest.approx(accuracy, abs=1e-6)
+        assert torch.allclose(rank['probe_logits'], probe, atol=1e-6)
