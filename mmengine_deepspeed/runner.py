@@ -140,6 +140,7 @@ class DeepSpeedRunner(CheckpointMethods):
         for name in self._sides:
             check_nvme(self._resolve_ds_config(name, world_size=None))
         self._weights_initialized = False
+        self._engines_wanted = False  # build_optim_wrapper builds engines (inside train())
         self._deepspeed_checkpointed: Optional[Any] = None
         self._resume_target: Optional[tuple[Optional[str]]] = None
         self.engines: dict[str, deepspeed.DeepSpeedEngine] = {}
@@ -282,7 +283,12 @@ class DeepSpeedRunner(CheckpointMethods):
             for hook in self.hooks:
                 if isinstance(hook, PreemptionHook):
                     signals.enter_context(hook.catching_signals())
-            return self._train()
+            # MMEngine's train() calls build_optim_wrapper once: that call builds the engines.
+            self._engines_wanted = not self.engines
+            try:
+                return self._train()
+            finally:
+                self._engines_wanted = False
 
     def _train(self) -> nn.Module:
         listed = self.cfg.get('activation_checkpointing')
@@ -320,20 +326,30 @@ class DeepSpeedRunner(CheckpointMethods):
     def build_optim_wrapper(
         self, optim_wrapper: Union[Optimizer, OptimWrapper, dict]
     ) -> Union[OptimWrapper, OptimWrapperDict]:
-        """Build the optimizer(s) with MMEngine, then one engine per optimizer.
+        """MMEngine's factory; when ``train()`` starts, also one engine per optimizer.
+
+        Called by the user (or a test) it is MMEngine's: it builds MMEngine's
+        optim wrappers from a config, an optimizer or a built wrapper, any
+        number of times, and changes nothing else. The one call ``train()``
+        makes with ``runner.optim_wrapper`` (whatever it is then) builds the
+        DeepSpeed engines from the result and returns their wrappers.
 
         Args:
             optim_wrapper (Optimizer | OptimWrapper | OptimWrapperDict | dict):
                 The ``optim_wrapper`` argument.
 
         Returns:
-            DeepSpeedOptimWrapper | OptimWrapperDict: The wrapper the train
-            loop steps with, or one per optimizer by name.
+            OptimWrapper | OptimWrapperDict: MMEngine's wrapper(s); inside
+            ``train()`` the DeepSpeedOptimWrapper the train loop steps with, or
+            one per optimizer by name.
         """
         if isinstance(optim_wrapper, DeepSpeedOptimWrapper) or (
                 isinstance(optim_wrapper, OptimWrapperDict) and all(
                     isinstance(w, DeepSpeedOptimWrapper) for w in optim_wrapper.values())):
             return optim_wrapper
+        if not self._engines_wanted:
+            return super().build_optim_wrapper(as_plain_wrappers(optim_wrapper))
+        self._engines_wanted = False  # one call builds them; later ones are the factory's
         self._init_model_weights()
         ds_config = self._resolve_ds_config(next(iter(self._sides)), self.world_size)
         if has_section(ds_config):

@@ -4,7 +4,9 @@ notebooks and sweeps build them.
 Usage (under torchrun): ``contract_worker.py OUT_DIR SCENARIO_JSON [...]``. Each scenario
 ``{"name": ..., "cfg": {toy_config kwargs}}`` trains a ``DeepSpeedRunner`` and validates;
 ``"destroy": true`` then calls ``torch.distributed.destroy_process_group()``, and
-``"rebuild": true`` calls ``build_optim_wrapper`` once more and keeps its error, and
+``"rebuild": true`` calls ``build_optim_wrapper`` once more after training (MMEngine's
+factory), ``"factory": true`` calls it three times before training and trains with the last,
+and
 ``"deepcopy": true`` deep-copies ``runner.model`` and runs the copy. Before training,
 ``"resume_first": PATH`` calls ``runner.resume(PATH)`` and ``"load_or_resume_first": true``
 ``runner.load_or_resume()``; ``"val_only": true`` validates without training.
@@ -68,8 +70,17 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
         runner.resume(scenario['resume_first'])
     if scenario.get('load_or_resume_first'):
         runner.load_or_resume()
+    if scenario.get('factory'):  # build_optim_wrapper three times, then train with the last
+        first = runner.build_optim_wrapper(dict(optimizer=dict(type='SGD', lr=0.5)))
+        again = runner.build_optim_wrapper(first)
+        last = runner.build_optim_wrapper(dict(optimizer=dict(type='AdamW', lr=0.01)))
+        result.update(factory_types=[type(w).__name__ for w in (first, again, last)],
+                      factory_same=again is first, engines_before_train=len(runner.engines))
+        runner.optim_wrapper = last
     if not scenario.get('val_only'):
         runner.train()
+        engine = next(iter(runner.engines.values()))
+        result['client_optimizer'] = type(engine.client_optimizer).__name__
         result.update(losses=recorder(runner).losses, lrs=recorder(runner).lrs)
     result['metrics'] = dict(runner.val())
     for filename, save_optimizer in scenario.get('save_after', {}).items():
@@ -88,11 +99,11 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
                 copy_hooks=sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
                                for m in copied.modules()),
                 copy_out=copied(probe_inputs()), model_out=runner.model(probe_inputs()))
-    if scenario.get('rebuild'):
-        try:
-            runner.build_optim_wrapper(cfg['optim_wrapper'])
-        except RuntimeError as e:
-            result['rebuild_error'] = str(e)
+    if scenario.get('rebuild'):  # MMEngine's factory after training: a plain wrapper
+        built = runner.build_optim_wrapper(cfg['optim_wrapper'])
+        result.update(rebuilt=type(built).__name__,
+                      still=type(runner.optim_wrapper).__name__,
+                      engines_after_rebuild=len(runner.engines))
     torch.save(result, osp.join(out_dir, f'{name}.rank{os.environ["RANK"]}.pt'))
     if scenario.get('destroy'):
         dist.destroy_process_group()

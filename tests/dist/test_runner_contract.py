@@ -45,6 +45,7 @@ TWO_RANKS = [scenario('z2_first', 2, deepcopy=True), scenario('z2_again', 2, des
              scenario('z1', 1, destroy=True, deepcopy=True, save_first='before.pth'),
              scenario('z3_first', 3, destroy=True, deepcopy=True),
              scenario('z3_again', 3, rebuild=True, destroy=True),
+             scenario('factory', 2, factory=True, destroy=True),
              # resume() / load_or_resume() before train(), and val() with resume=True
              {'name': 'straight', 'cfg': {**Z2, 'max_iters': 8, 'checkpoint': EVERY_4}},
              {'name': 'resume_first', 'cfg': {**Z2, 'max_iters': 8},
@@ -115,9 +116,17 @@ def test_a_runner_after_another_trains_the_same(results: dict, nproc: int) -> No
                 assert torch.equal(a['state'][key], b['state'][key]), (first, key)
 
 
-def test_second_build_optim_wrapper_says_what_happened(results: dict) -> None:
-    message = results[2]['z3_again'][0]['rebuild_error']
-    assert 'already built with their optimizers' in message and 'val()/test()' not in message
+def test_build_optim_wrapper_is_mmengines_factory(results: dict) -> None:
+    """Called by the user it builds MMEngine's wrappers, any number of times, touching no
+    engine; train() then trains with whatever runner.optim_wrapper is (the last one)."""
+    rank = results[2]['factory'][0]
+    assert rank['factory_types'] == ['OptimWrapper'] * 3 and rank['factory_same']
+    assert rank['engines_before_train'] == 0
+    assert rank['client_optimizer'] == 'AdamW'
+    assert 0.01 * 0.5 <= rank['lrs'][0] <= 0.01  # AdamW's lr under LinearLR (the config: 0.1)
+    again = results[2]['z3_again'][0]
+    assert again['rebuilt'] == 'OptimWrapper' and again['still'] == 'DeepSpeedOptimWrapper'
+    assert again['engines_after_rebuild'] == 1
 
 
 def test_deepcopy_gives_the_model_with_its_weights(results: dict) -> None:
