@@ -133,3 +133,25 @@ def test_one_built_wrapper_is_one_engine() -> None:
     wrapper = OptimWrapper(_adam(nn.Linear(2, 2)))
     assert list(mmengine_sides(None, wrapper, None)) == ['model']
     assert not is_several(wrapper)
+
+
+def test_side_from_config_dicts() -> None:
+    side, = mmengine_sides(dict(batch_size=6), dict(type='OptimWrapper', accumulative_counts=2,
+                                                    clip_grad=dict(max_norm=3.0),
+                                                    optimizer=dict(type='SGD', lr=0.1)),
+                           [{}]).values()
+    assert (side.batch_size, side.accumulative_counts, side.clip_grad['max_norm'],
+            side.optim_wrapper_type, side.has_optim_wrapper,
+            side.has_param_scheduler) == (6, 2, 3.0, 'OptimWrapper', True, True)
+
+
+def test_side_from_built_objects() -> None:
+    from mmengine.optim import OptimWrapper
+    from torch.utils.data import DataLoader
+
+    model = nn.Linear(2, 2)
+    wrapper = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), accumulative_counts=3,
+                           clip_grad=dict(type='value', clip_value=1.0))
+    side = mmengine_sides(DataLoader(list(range(8)), batch_size=5), wrapper, None)['model']
+    assert (side.batch_size, side.accumulative_counts, side.clip_grad['type'],
+            side.has_param_scheduler) == (5, 3, 'value', False)
