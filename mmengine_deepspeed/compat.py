@@ -154,6 +154,13 @@ def accumulative_counts(wrapper: Any) -> int:
     return int(wrapper._accumulative_counts)
 
 
+def save_with_checkpoint_hook(hook: Any, runner: Any, step: int, meta: dict) -> None:
+    """Save as ``CheckpointHook`` saves at ``step``: its file name, its ``max_keep_ckpts``
+    rotation, ``last_checkpoint``. No public method saves outside its interval; the
+    preemption checkpoint needs one (tests/dist/test_failures.py)."""
+    hook._save_checkpoint_with_step(runner, step, meta)
+
+
 def set_loop_position(loop: Any, epoch: int, iteration: int) -> None:
     """Restore a train loop's epoch and iteration (MMEngine's ``resume`` does the same)."""
     loop._epoch = epoch

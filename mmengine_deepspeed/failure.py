@@ -106,7 +106,8 @@ class _Channel:
                 time.sleep(POLL_S / 5)
 
     def publish(self, error: BaseException) -> None:
-        """Tell every rank that this one failed, then wait until they have seen it."""
+        """Tell every rank that this one failed; without an agent (the store lives in rank
+        0's process), wait until they have seen it."""
         if self.failed:
             return
         self.failed = True

@@ -41,6 +41,7 @@ from mmengine.registry import HOOKS
 from typing_extensions import override
 
 from .checkpoint.layout import LAST_CHECKPOINT, write_text_atomic
+from .compat import save_with_checkpoint_hook
 
 DEFAULT_SIGNALS = ('SIGTERM', 'SIGUSR1')
 
@@ -101,7 +102,8 @@ class PreemptionHook(Hook):
             yield
         finally:
             for number, handler in previous.items():
-                signal.signal(number, handler)
+                # None: a handler not set from Python, which cannot be put back as such
+                signal.signal(number, signal.SIG_DFL if handler is None else handler)
 
     def _on_signal(self, number: int, frame: Optional[FrameType]) -> None:
         if self.received is None:
@@ -168,7 +170,7 @@ def save_preemption_checkpoint(runner: Any) -> str:
         path = osp.join(hook.out_dir, hook.filename_tmpl.format(step))
         # The same answer on every rank (the hook records its saves alike).
         if getattr(hook, 'last_ckpt', None) != path:
-            hook._save_checkpoint_with_step(runner, step, meta)  # name, rotation, last_checkpoint
+            save_with_checkpoint_hook(hook, runner, step, meta)
         return path
     out_dir = hook.out_dir if hook is not None else runner.work_dir
     filename = f'iter_{step}.pth'
