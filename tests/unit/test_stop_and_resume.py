@@ -163,6 +163,19 @@ def test_workers_give_the_same_samples_whatever_was_skipped(tmp_path: Any) -> No
     assert batches(4) == batches(0)[len(batches(0)) - len(batches(4)):]
 
 
+def test_worker_transforms_do_not_depend_on_the_number_of_workers() -> None:
+    dataset = Noisy()
+
+    def samples(workers: int) -> list:
+        loader = DataLoader(dataset, batch_size=2, sampler=DefaultSampler(dataset, seed=1),
+                            num_workers=workers)
+        seed_workers(loader)
+        make_resumable(loader, seed=1, rank=0)
+        return [[float(x) for x in column] for batch in loader for column in batch[1:]]
+
+    assert samples(1) == samples(2)
+
+
 def test_iterable_datasets_are_skipped_by_loading() -> None:
     """Their data does not come through the sampler's indices: skipping those would
     restart the stream at its beginning."""
