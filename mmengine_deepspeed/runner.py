@@ -35,6 +35,7 @@ import deepspeed
 import torch
 from mmengine.config import Config
 from mmengine.dist import get_rank
+from mmengine.logging import MessageHub, MMLogger
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper, revert_sync_batchnorm
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.registry import RUNNERS
@@ -186,6 +187,25 @@ class DeepSpeedRunner(CheckpointMethods):
         init_distributed(self.launcher, env_cfg.get('dist_cfg'))
         super().setup_env(env_cfg)
         quiet_deepspeed(self.rank, verbose=self.cfg.get('log_level', 'INFO') == 'DEBUG')
+
+    @override
+    def build_logger(self, log_level: Union[int, str] = 'INFO', log_file: Optional[str] = None,
+                     **kwargs: Any) -> MMLogger:
+        """MMEngine's logger, under an experiment name no earlier runner here has taken.
+
+        MMEngine names an experiment after the second it started in; runners
+        built in one process within the same second (sweeps, notebooks, test
+        suites) then shared MMEngine's logger and MessageHub: one run's loss
+        history, best score and warnings mixed into another's. A suffix
+        (``_2``, ``_3``...) keeps them apart; every rank builds the same
+        runners, so every rank picks the same name.
+        """
+        base, count = self._experiment_name, 1
+        while MMLogger.check_instance_created(self._experiment_name) \
+                or MessageHub.check_instance_created(self._experiment_name):
+            count += 1
+            self._experiment_name = f'{base}_{count}'
+        return super().build_logger(log_level=log_level, log_file=log_file, **kwargs)
 
     @override
     def build_model(self, model: Union[nn.Module, dict]) -> nn.Module:

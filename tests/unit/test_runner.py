@@ -40,3 +40,19 @@ def test_train_cfg_with_type_and_by_epoch_is_refused_as_mmengine_does(tmp_path: 
     runner = DeepSpeedRunner(**toy_config(str(tmp_path)))
     with pytest.raises(RuntimeError, match='Only one of `type` or `by_epoch`'):
         runner.build_train_loop(dict(type='EpochBasedTrainLoop', by_epoch=True, max_epochs=1))
+
+
+def test_runners_of_the_same_second_get_their_own_logger_and_message_hub(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MMEngine names an experiment after its start second: two runners of that second
+    shared one MessageHub (history, best score) and one logger (whose duplicate filter then
+    swallowed the second run's warnings)."""
+    import time
+
+    monkeypatch.setattr(time, 'strftime', lambda *args: '20261204_120000')
+    first = DeepSpeedRunner(**toy_config(str(tmp_path / 'a'), experiment_name='sweep'))
+    second = DeepSpeedRunner(**toy_config(str(tmp_path / 'b'), experiment_name='sweep'))
+    assert first.experiment_name == 'sweep_20261204_120000'
+    assert second.experiment_name == 'sweep_20261204_120000_2'
+    assert first.message_hub is not second.message_hub
+    assert first.logger is not second.logger
