@@ -24,6 +24,7 @@ import deepspeed
 import torch
 from deepspeed import DeepSpeedEngine
 from deepspeed.accelerator import get_accelerator
+from mmengine.model import convert_sync_batchnorm, is_model_wrapper, revert_sync_batchnorm
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from torch import nn
 from torch.optim import Optimizer
@@ -326,3 +327,38 @@ def wrap_optimizers(engines: Mapping[str, DeepSpeedEngine], optimizers: Mapping[
     if SINGLE_ENGINE in wrappers:
         return wrappers[SINGLE_ENGINE]
     return OptimWrapperDict(**wrappers)
+
+
+def left_unwrapped(model: nn.Module, model_wrapper_cfg: Optional[dict], world_size: int,
+                   sync_bn: Optional[str], logger: Any) -> tuple[nn.Module, bool]:
+    """The model as ``wrap_model`` leaves it: the engine needs the optimizer, built later.
+
+    Args:
+        model (nn.Module): The built model.
+        model_wrapper_cfg (dict, optional): ``find_unused_parameters`` is
+            honoured (ranks may use different parameters in an iteration);
+            other DDP options are ignored with a warning.
+        world_size (int): The number of ranks.
+        sync_bn (str, optional): MMEngine's ``cfg.sync_bn``.
+        logger (Any): The runner's logger.
+
+    Returns:
+        tuple: The model (SyncBN reverted for a single process, converted
+        where ``sync_bn`` asks), and ``find_unused_parameters``.
+    """
+    if is_model_wrapper(model):
+        raise TypeError(
+            f'model is already wrapped in {type(model).__name__}; pass the bare model, '
+            'DeepSpeedRunner wraps it in a DeepSpeed engine.')
+    wrapper_cfg = dict(model_wrapper_cfg or {})
+    find_unused = bool(wrapper_cfg.pop('find_unused_parameters', False))
+    wrapper_cfg.pop('type', None)
+    if wrapper_cfg:
+        logger.warning(
+            f'model_wrapper_cfg keys {sorted(wrapper_cfg)} are ignored: DeepSpeedRunner wraps '
+            'the model in a DeepSpeed engine, configured by ds_config (only '
+            'find_unused_parameters is honoured).')
+    if world_size == 1:
+        return revert_sync_batchnorm(model), find_unused
+    return (convert_sync_batchnorm(model, sync_bn) if sync_bn is not None else model,
+            find_unused)

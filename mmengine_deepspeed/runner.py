@@ -2,31 +2,17 @@
 
 MMEngine wraps the model in ``Runner.__init__`` but builds the optimizer only
 in ``train()``; ``deepspeed.initialize`` needs both at once. This runner owns
-that ordering in one place, ``_build_engines``:
-
-1. the model is built by MMEngine and left unwrapped in ``__init__`` (under
-   ZeRO-3, from a config, inside ``deepspeed.zero.Init``: ``partitioned.py``);
-2. ``init_weights()`` runs once, before the engine exists (on a partitioned
-   model with each parameter gathered as it is touched);
-3. the optimizer(s) are built from ``optim_wrapper`` by MMEngine's own
-   machinery (``paramwise_cfg``, custom constructors, ``auto_scale_lr``);
-4. the ds_config is resolved against the MMEngine config (``config.py``);
-   where ZeRO offloads the optimizer, DeepSpeed's CPU Adam replaces a torch
-   Adam(W) (``offload.py``);
-5. ``engines.py`` builds one engine per optimizer: ``runner.model`` becomes a
-   :class:`DeepSpeedEngineWrapper` and ``runner.optim_wrapper`` a
-   :class:`DeepSpeedOptimWrapper` (an ``OptimWrapperDict`` of them for
-   several optimizers).
-
-Param schedulers are built afterwards by MMEngine on the DeepSpeed optim
-wrapper, so they drive the learning rate DeepSpeed steps with. ``val()`` and
-``test()`` without training build an engine without an optimizer.
+that ordering (ARCHITECTURE.md, "The data path"): the model is left unwrapped
+(built partitioned under ZeRO-3), ``init_weights()`` runs before any engine,
+MMEngine builds the optimizer(s), and ``train()``'s one ``build_optim_wrapper``
+call builds one engine per optimizer (``engines.py``), on whose wrappers MMEngine
+then builds the param schedulers. ``val()`` and ``test()`` without training
+build an engine without an optimizer.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 import os.path as osp
 from collections.abc import Mapping
 from typing import Any, Optional, Union
@@ -36,22 +22,20 @@ import torch
 from mmengine.config import Config
 from mmengine.dist import get_rank
 from mmengine.logging import MessageHub, MMLogger
-from mmengine.model import convert_sync_batchnorm, is_model_wrapper, revert_sync_batchnorm
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.registry import RUNNERS
-from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop, Runner
+from mmengine.runner import Runner
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from .activation import checkpoint_through_deepspeed, has_section
-from .checkpoint.data_order import own_generator, seed_workers
-from .checkpoint.layout import SINGLE_ENGINE, find_latest_complete
-from .checkpoint.loop import ResumableEpochBasedTrainLoop  # noqa: F401  registers it
+from .checkpoint.data_order import resumable_loader
+from .checkpoint.layout import SINGLE_ENGINE
+from .checkpoint.loop import resumable_loop
 from .checkpoint.reshard import Layout, load_universal_if_needed
 from .checkpoint.runner_methods import CheckpointMethods
-from .compat import request_resume
 from .config import (
     DsConfigSource,
     bf16_request,
@@ -66,6 +50,7 @@ from .engines import (
     as_plain_wrappers,
     build_engines,
     evaluation_stage,
+    left_unwrapped,
     mmengine_sides,
     named_optimizers,
     wrap_optimizers,
@@ -150,26 +135,6 @@ class DeepSpeedRunner(CheckpointMethods):
         super().__init__(*args, **kwargs)
         self._resume_after_restart()
 
-    def _resume_after_restart(self) -> None:
-        """After the elastic agent restarted the job (``--max-restarts``), resume by itself.
-
-        torchrun (and ``mmengine-deepspeed train --max-restarts``) restart
-        every process when one dies, with ``TORCHELASTIC_RESTART_COUNT`` > 0;
-        the latest complete checkpoint in ``work_dir`` is then what to
-        continue from, whatever ``resume`` / ``load_from`` the config says.
-        """
-        restart = int(os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0)
-        if restart == 0:
-            return
-        latest, _ = find_latest_complete(self.work_dir)
-        if latest is None:
-            self.logger.warning(f'Restart {restart} of this job: no complete checkpoint in '
-                                f'{self.work_dir} yet, starting over.')
-            return
-        request_resume(self, latest)
-        self.logger.warning(f'Restart {restart} of this job: resuming from {latest}, the latest '
-                            'complete checkpoint.')
-
     def _resolve_ds_config(self, name: str, world_size: Optional[int]) -> dict:
         side = self._sides.get(name, self._sides[next(iter(self._sides))])
         return resolve_ds_config(self._ds_config_source, side, world_size=world_size,
@@ -231,50 +196,17 @@ class DeepSpeedRunner(CheckpointMethods):
 
     @override
     def wrap_model(self, model_wrapper_cfg: Optional[dict], model: nn.Module) -> nn.Module:
-        """Leave the model unwrapped: the engine needs the optimizer, built later.
-
-        Args:
-            model_wrapper_cfg (dict, optional): ``find_unused_parameters``
-                is honoured (ranks may use different parameters in an
-                iteration); other DDP options are ignored with a warning.
-            model (nn.Module): The built model.
-
-        Returns:
-            nn.Module: The model, SyncBN reverted for a single process.
-        """
-        if is_model_wrapper(model):
-            raise TypeError(
-                f'model is already wrapped in {type(model).__name__}; pass the bare model, '
-                'DeepSpeedRunner wraps it in a DeepSpeed engine.')
-        wrapper_cfg = dict(model_wrapper_cfg or {})
-        self._find_unused_parameters = bool(wrapper_cfg.pop('find_unused_parameters', False))
-        wrapper_cfg.pop('type', None)
-        if wrapper_cfg:
-            self.logger.warning(
-                f'model_wrapper_cfg keys {sorted(wrapper_cfg)} are ignored: DeepSpeedRunner wraps '
-                'the model in a DeepSpeed engine, configured by ds_config (only '
-                'find_unused_parameters is honoured).')
-        if self.world_size == 1:
-            return revert_sync_batchnorm(model)
-        sync_bn = self.cfg.get('sync_bn', None)
-        return convert_sync_batchnorm(model, sync_bn) if sync_bn is not None else model
+        """Leave the model unwrapped (the engine needs the optimizer, built later);
+        ``find_unused_parameters`` is honoured (``engines.left_unwrapped``)."""
+        model, self._find_unused_parameters = left_unwrapped(
+            model, model_wrapper_cfg, self.world_size, self.cfg.get('sync_bn', None),
+            self.logger)
+        return model
 
     @override
     def build_train_loop(self, loop: Any) -> Any:
         """MMEngine's train loops, resuming exactly and without reloading data (``loop.py``)."""
-        # Both `type` and `by_epoch` are left for MMEngine to refuse, as it does.
-        if isinstance(loop, dict) and not ('type' in loop and 'by_epoch' in loop):
-            loop = dict(loop)
-            kind = loop.get('type')
-            if kind in ('EpochBasedTrainLoop', EpochBasedTrainLoop) \
-                    or (kind is None and loop.get('by_epoch')):
-                loop['type'] = 'ResumableEpochBasedTrainLoop'
-            elif kind in ('IterBasedTrainLoop', IterBasedTrainLoop) \
-                    or (kind is None and loop.get('by_epoch') is False):
-                loop['type'] = 'ResumableIterBasedTrainLoop'
-            if loop.get('type') != kind:
-                loop.pop('by_epoch', None)
-        return super().build_train_loop(loop)
+        return super().build_train_loop(resumable_loop(loop))
 
     @override
     @staticmethod
@@ -286,10 +218,9 @@ class DeepSpeedRunner(CheckpointMethods):
         stream, and workers can reseed per sample, so a resumed run draws
         what the uninterrupted run drew.
         """
-        loader = Runner.build_dataloader(dataloader, seed=seed, diff_rank_seed=diff_rank_seed)
-        own_generator(loader, seed, get_rank())
-        seed_workers(loader)
-        return loader
+        return resumable_loader(
+            Runner.build_dataloader(dataloader, seed=seed, diff_rank_seed=diff_rank_seed), seed,
+            get_rank())
 
     @override
     def train(self) -> nn.Module:

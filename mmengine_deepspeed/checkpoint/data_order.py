@@ -7,7 +7,7 @@ uninterrupted run drew, and start in seconds wherever it resumes:
   iterator draws a seed from the global torch RNG unless the loader has a
   ``generator``; the resumed loop creates its iterators at other points of
   that stream than the straight run did, shifting every later dropout mask
-  and ``torch.randn``. :func:`own_generator` gives every runner dataloader
+  and ``torch.randn``. :func:`resumable_loader` gives every runner dataloader
   one (seeded by seed and rank), so the global stream belongs to the model.
 * **Skipping happens at the sampler.** :class:`ResumableSampler` wraps the
   sampler that the DataLoader's batch sampler iterates and drops the
@@ -48,17 +48,19 @@ def stream_seed(*parts: int) -> int:
     return int.from_bytes(digest, 'little')
 
 
-def own_generator(loader: DataLoader, seed: Optional[int], rank: int) -> DataLoader:
-    """Give ``loader`` a generator of its own, unless it has one.
+def resumable_loader(loader: DataLoader, seed: Optional[int], rank: int) -> DataLoader:
+    """``loader`` with a generator of its own (unless it has one) and seeding workers.
 
-    Its iterators then draw their worker base seed from it, not from the
-    global torch RNG (``torch.utils.data`` draws from ``loader.generator``).
+    Its iterators then draw their worker base seed from that generator, not
+    from the global torch RNG (``torch.utils.data`` draws from
+    ``loader.generator``), and its workers reseed per :class:`SampleIndex`.
 
     Returns:
         DataLoader: ``loader``.
     """
     if loader.generator is None:
         loader.generator = torch.Generator().manual_seed(stream_seed(seed or 0, rank, 0x10AD))
+    seed_workers(loader)
     return loader
 
 

@@ -31,6 +31,26 @@ from .data_order import ResumableSampler, make_resumable
 from .state import rng_state, set_rng_state
 
 
+def resumable_loop(loop: Any) -> Any:
+    """A ``train_cfg`` asking for MMEngine's loops, asking for the resumable ones instead.
+
+    Both ``type`` and ``by_epoch`` are left for MMEngine to refuse, as it does.
+    """
+    if not isinstance(loop, dict) or ('type' in loop and 'by_epoch' in loop):
+        return loop
+    loop = dict(loop)
+    kind = loop.get('type')
+    if kind in ('EpochBasedTrainLoop', EpochBasedTrainLoop) \
+            or (kind is None and loop.get('by_epoch')):
+        loop['type'] = 'ResumableEpochBasedTrainLoop'
+    elif kind in ('IterBasedTrainLoop', IterBasedTrainLoop) \
+            or (kind is None and loop.get('by_epoch') is False):
+        loop['type'] = 'ResumableIterBasedTrainLoop'
+    if loop.get('type') != kind:
+        loop.pop('by_epoch', None)
+    return loop
+
+
 @LOOPS.register_module()
 class ResumableEpochBasedTrainLoop(EpochBasedTrainLoop):
     """:class:`mmengine.runner.EpochBasedTrainLoop` that resumes mid-epoch exactly."""

@@ -7,6 +7,7 @@ and that loading never unpickles untrusted files by default.
 """
 from __future__ import annotations
 
+import os
 import os.path as osp
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -17,6 +18,7 @@ from mmengine.runner import Runner
 from torch import nn
 from typing_extensions import override
 
+from ..compat import request_resume
 from ..engine import gathered
 from . import io as ckpt_io
 from .layout import CheckpointError, find_latest_complete
@@ -38,6 +40,26 @@ class CheckpointMethods(Runner):
     def has_training_engines(self) -> bool:
         """Whether train() (or build_optim_wrapper) built the engines, with optimizers."""
         return any(e.client_optimizer is not None for e in self.engines.values())
+
+    def _resume_after_restart(self) -> None:
+        """After the elastic agent restarted the job (``--max-restarts``), resume by itself.
+
+        torchrun (and ``mmengine-deepspeed train --max-restarts``) restart
+        every process when one dies, with ``TORCHELASTIC_RESTART_COUNT`` > 0;
+        the latest complete checkpoint in ``work_dir`` is then what to
+        continue from, whatever ``resume`` / ``load_from`` the config says.
+        """
+        restart = int(os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0)
+        if restart == 0:
+            return
+        latest, _ = find_latest_complete(self.work_dir)
+        if latest is None:
+            self.logger.warning(f'Restart {restart} of this job: no complete checkpoint in '
+                                f'{self.work_dir} yet, starting over.')
+            return
+        request_resume(self, latest)
+        self.logger.warning(f'Restart {restart} of this job: resuming from {latest}, the latest '
+                            'complete checkpoint.')
 
     @property
     def bare_model(self) -> nn.Module:

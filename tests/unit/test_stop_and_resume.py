@@ -18,7 +18,7 @@ from mmengine_deepspeed.checkpoint.data_order import (
     ResumableSampler,
     SampleIndex,
     make_resumable,
-    own_generator,
+    resumable_loader,
     seed_samples_in_worker,
     seed_workers,
     stream_seed,
@@ -122,7 +122,7 @@ def test_a_worker_dataset_reseeds_per_sample() -> None:
 
 
 def test_loader_iterators_leave_the_global_stream_alone() -> None:
-    loader = own_generator(DataLoader(Noisy(), batch_size=2, num_workers=0), 0, 0)
+    loader = resumable_loader(DataLoader(Noisy(), batch_size=2, num_workers=0), 0, 0)
     torch.manual_seed(5)
     expected = torch.rand(1)
     torch.manual_seed(5)
