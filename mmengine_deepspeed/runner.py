@@ -158,12 +158,10 @@ class DeepSpeedRunner(CheckpointMethods):
                      **kwargs: Any) -> MMLogger:
         """MMEngine's logger, under an experiment name no earlier runner here has taken.
 
-        MMEngine names an experiment after the second it started in; runners
-        built in one process within the same second (sweeps, notebooks, test
-        suites) then shared MMEngine's logger and MessageHub: one run's loss
-        history, best score and warnings mixed into another's. A suffix
-        (``_2``, ``_3``...) keeps them apart; every rank builds the same
-        runners, so every rank picks the same name.
+        Names end with the start second, so runners built in one process within
+        that second shared MMEngine's logger and MessageHub (histories, best
+        scores, warnings). A suffix (``_2``...) keeps them apart; every rank
+        builds the same runners, so every rank picks the same name.
         """
         base, count = self._experiment_name, 1
         while MMLogger.check_instance_created(self._experiment_name) \
