@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from mmengine_deepspeed.dist import free_port
-from mmengine_deepspeed.partitioned import return_freed_memory
+from mmengine_deepspeed.zero.partitioned import return_freed_memory
 
 REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 

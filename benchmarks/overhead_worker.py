@@ -132,7 +132,7 @@ def run_raw(model_name: str, stage: int, iters: int, recorder: Recorder) -> int:
     import mmengine_deepspeed.demo  # noqa: F401  the TinyGPT class
     from benchmarks.common import ds_config
     from mmengine_deepspeed.dist import init_distributed
-    from mmengine_deepspeed.monitor import parameter_counts
+    from mmengine_deepspeed.hooks.monitor import parameter_counts
     init_distributed('pytorch', dict(backend=BACKEND))
     model_cfg, loader_cfg = model_and_data(model_name)
     torch.manual_seed(0)
@@ -164,7 +164,7 @@ CHECK_SECONDS: list[float] = []
 
 def time_the_unused_parameter_check() -> None:
     """Record how long each of the runner's same-parameters checks takes."""
-    from mmengine_deepspeed.unused import UsedParameters
+    from mmengine_deepspeed.zero.unused_params import UsedParameters
 
     check = UsedParameters.check
 
@@ -183,7 +183,7 @@ def run_runner(model_name: str, stage: int, iters: int, work_dir: str,
 
     import mmengine_deepspeed.demo  # noqa: F401  registers DeepSpeedRunner and TinyGPT
     from benchmarks.common import ds_config
-    from mmengine_deepspeed.monitor import parameter_counts
+    from mmengine_deepspeed.hooks.monitor import parameter_counts
 
     time_the_unused_parameter_check()
     cfg = mmengine_cfg(model_name, iters, work_dir)
@@ -208,8 +208,8 @@ def run_strategy(model_name: str, stage: int, iters: int, work_dir: str,
 
     import mmengine_deepspeed.demo  # noqa: F401  the TinyGPT class
     from benchmarks.common import BATCH, ds_config
-    from mmengine_deepspeed.monitor import parameter_counts
-    from mmengine_deepspeed.optimizers import DEEPSPEED_OPTIMIZERS
+    from mmengine_deepspeed.engine.optimizers import DEEPSPEED_OPTIMIZERS
+    from mmengine_deepspeed.hooks.monitor import parameter_counts
 
     for cls in DEEPSPEED_OPTIMIZERS:
         OPTIMIZERS._module_dict.pop(cls.__name__, None)

@@ -22,7 +22,7 @@ from mmengine.registry import RUNNERS
 import mmengine_deepspeed.demo  # noqa: F401  registers DeepSpeedRunner and TinyGPT
 from benchmarks.common import device_name, ds_config
 from benchmarks.overhead_worker import mmengine_cfg
-from mmengine_deepspeed.preemption import PreemptionHook
+from mmengine_deepspeed.hooks.preemption import PreemptionHook
 
 
 class StepClock(Hook):

@@ -14,10 +14,10 @@ hide_cpu_accelerator_notice()  # before the imports below import DeepSpeed
 
 from .checkpoint import CheckpointError, export_checkpoint  # noqa: E402
 from .compat import check_upstream  # noqa: E402
-from .config import DsConfigError, MMEngineSide, resolve_ds_config  # noqa: E402
-from .engine import DeepSpeedEngineWrapper  # noqa: E402
-from .optim_wrapper import DeepSpeedOptimWrapper  # noqa: E402
-from .optimizers import register_deepspeed_optimizers  # noqa: E402
+from .config.resolve import DsConfigError, MMEngineSide, resolve_ds_config  # noqa: E402
+from .engine.optim_wrapper import DeepSpeedOptimWrapper  # noqa: E402
+from .engine.optimizers import register_deepspeed_optimizers  # noqa: E402
+from .engine.wrapper import DeepSpeedEngineWrapper  # noqa: E402
 from .runner import DeepSpeedRunner  # noqa: E402
 from .version import __version__  # noqa: E402
 

@@ -65,7 +65,7 @@ def load_train_config(config: str, work_dir: Optional[str], launcher: str, cfg_o
                       resume: Optional[str] = None, zero: Optional[int] = None,
                       ds_config: Optional[str] = None) -> Config:
     """The config ``train`` runs: the file plus the command-line overrides."""
-    from .config import load_ds_config
+    from .config.resolve import load_ds_config
 
     if not osp.isfile(config):
         raise FileNotFoundError(f'config file not found: {config!r}')
@@ -208,7 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     from .checkpoint.layout import CheckpointError
-    from .config import DsConfigError
+    from .config.resolve import DsConfigError
 
     try:
         _run(args)

@@ -5,7 +5,7 @@ in ``train()``; ``deepspeed.initialize`` needs both at once. This runner owns
 that ordering (ARCHITECTURE.md, "The data path"): the model is left unwrapped
 (built partitioned under ZeRO-3), ``init_weights()`` runs before any engine,
 MMEngine builds the optimizer(s), and ``train()``'s one ``build_optim_wrapper``
-call builds one engine per optimizer (``engines.py``), on whose wrappers MMEngine
+call builds one engine per optimizer (``engine/build.py``), on whose wrappers MMEngine
 then builds the param schedulers. ``val()`` and ``test()`` without training
 build an engine without an optimizer.
 """
@@ -30,13 +30,12 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from .activation import checkpoint_through_deepspeed, has_section
 from .checkpoint.data_order import resumable_loader
 from .checkpoint.layout import SINGLE_ENGINE
 from .checkpoint.loop import resumable_loop
 from .checkpoint.reshard import Layout, load_universal_if_needed
 from .checkpoint.runner_methods import CheckpointMethods
-from .config import (
+from .config.resolve import (
     DsConfigSource,
     bf16_request,
     precision,
@@ -44,9 +43,8 @@ from .config import (
     zero_stage,
 )
 from .dist import cuda_available, init_distributed, native_bf16, quiet_deepspeed
-from .ema import DeepSpeedEMAHook
-from .engine import overrides
-from .engines import (
+from .engine.activation import checkpoint_through_deepspeed, has_section
+from .engine.build import (
     as_plain_wrappers,
     build_engines,
     evaluation_stage,
@@ -55,14 +53,16 @@ from .engines import (
     named_optimizers,
     wrap_optimizers,
 )
+from .engine.offload import check_nvme, cpu_optimizer
+from .engine.optim_wrapper import DeepSpeedOptimWrapper
+from .engine.wrapper import overrides
 from .failure import failing_together
-from .hooks import deepspeed_custom_hooks, deepspeed_default_hooks
-from .monitor import banner, precision_note
-from .offload import check_nvme, cpu_optimizer
-from .optim_wrapper import DeepSpeedOptimWrapper
-from .partitioned import build_advice, gather_on_use, partitioned_construction
-from .preemption import PreemptionHook
-from .unused import zero3_unsupported
+from .hooks.ema import DeepSpeedEMAHook
+from .hooks.monitor import banner, precision_note
+from .hooks.preemption import PreemptionHook
+from .hooks.registration import deepspeed_custom_hooks, deepspeed_default_hooks
+from .zero.partitioned import build_advice, gather_on_use, partitioned_construction
+from .zero.unused_params import zero3_unsupported
 
 CAST_DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': None}
 
@@ -96,7 +96,7 @@ class DeepSpeedRunner(CheckpointMethods):
             Defaults to None.
         zero_init (bool, optional): Under ZeRO-3, build a model given as a
             config inside ``deepspeed.zero.Init``, so that no rank holds it
-            whole (``partitioned.py``). None reads ``cfg.zero_init``
+            whole (``zero/partitioned.py``). None reads ``cfg.zero_init``
             (default True). Defaults to None.
         **kwargs: Keyword arguments of :class:`mmengine.runner.Runner`.
     """
@@ -223,10 +223,10 @@ class DeepSpeedRunner(CheckpointMethods):
     @override
     def train(self) -> nn.Module:
         """MMEngine's ``train()``; listed ``activation_checkpointing`` modules go
-        through DeepSpeed's checkpoint when ds_config has that section (``activation.py``).
+        through DeepSpeed's checkpoint when ds_config has that section (``engine/activation.py``).
 
         An error on this rank ends every rank at once (``failure.py``); a stop
-        signal ends them together after a checkpoint (``preemption.py``).
+        signal ends them together after a checkpoint (``hooks/preemption.py``).
         """
         with failing_together(), contextlib.ExitStack() as signals:
             for hook in self.hooks:
@@ -389,7 +389,8 @@ class DeepSpeedRunner(CheckpointMethods):
 
     @override
     def register_default_hooks(self, hooks: Optional[dict] = None) -> None:
-        """MMEngine's default hooks, with the crash-safe checkpoint hook (``hooks.py``)."""
+        """MMEngine's default hooks, with the crash-safe checkpoint hook
+        (``hooks/registration.py``)."""
         super().register_default_hooks(deepspeed_default_hooks(hooks))
 
     @override

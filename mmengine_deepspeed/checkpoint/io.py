@@ -23,9 +23,9 @@ from mmengine.runner import EpochBasedTrainLoop
 from torch import nn
 
 from ..compat import set_loop_position
-from ..config import precision, zero_stage
-from ..partitioned import gather_on_use
+from ..config.resolve import precision, zero_stage
 from ..version import __version__
+from ..zero.partitioned import gather_on_use
 from .export import consolidated_state_dict
 from .layout import (
     CLIENT_FILE,

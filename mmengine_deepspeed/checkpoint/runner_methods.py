@@ -19,7 +19,7 @@ from torch import nn
 from typing_extensions import override
 
 from ..compat import request_resume
-from ..engine import gathered
+from ..zero.gather import gathered
 from . import io as ckpt_io
 from .layout import CheckpointError, find_latest_complete
 from .save import save_failure

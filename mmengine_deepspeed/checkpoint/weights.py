@@ -30,7 +30,7 @@ from deepspeed.utils import (
 from torch import nn
 
 from ..compat import full_shape, has_separate_master, is_zero3_param, local_partition
-from ..engine import gathered_params
+from ..zero.gather import gathered_params
 from .layout import CheckpointError
 
 

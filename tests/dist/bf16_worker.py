@@ -11,10 +11,10 @@ import torch
 from mmengine.config import Config
 
 import mmengine_deepspeed.dist
-import mmengine_deepspeed.monitor
+import mmengine_deepspeed.hooks.monitor
 import mmengine_deepspeed.runner
 from mmengine_deepspeed import DeepSpeedRunner
-from mmengine_deepspeed.config import precision
+from mmengine_deepspeed.config.resolve import precision
 from tests.helpers import toy_config
 
 
@@ -23,7 +23,8 @@ def no_native_bf16() -> bool:
 
 
 def main() -> None:
-    for module in (mmengine_deepspeed.dist, mmengine_deepspeed.runner, mmengine_deepspeed.monitor):
+    for module in (mmengine_deepspeed.dist, mmengine_deepspeed.runner,
+                   mmengine_deepspeed.hooks.monitor):
         module.native_bf16 = no_native_bf16  # type: ignore[attr-defined]
     cfg = toy_config(sys.argv[1], max_iters=2, val=False, log_level='INFO',
                      ds_config={'zero_optimization': {'stage': 2}, 'bf16': {'enabled': 'auto'}})

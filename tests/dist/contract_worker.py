@@ -33,7 +33,7 @@ from mmengine.config import Config
 import mmengine_deepspeed  # noqa: F401
 import tests.toy_layered  # noqa: F401  registers LayeredModel
 from mmengine_deepspeed import DeepSpeedRunner
-from mmengine_deepspeed.ema import DeepSpeedEMAHook
+from mmengine_deepspeed.hooks.ema import DeepSpeedEMAHook
 from tests.helpers import model_state, probe_inputs, recorder, run_scenarios, toy_config
 
 

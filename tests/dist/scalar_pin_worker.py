@@ -1,4 +1,4 @@
-"""Pins the DeepSpeed 0.19 behaviours ``scalars.py`` relies on, on one rank.
+"""Pins the DeepSpeed 0.19 behaviours ``zero/zero_dim.py`` relies on, on one rank.
 
 Prints one ``NAME RESULT`` line per fact:
 

@@ -228,7 +228,7 @@ def test_resuming_with_a_longer_schedule_warns_once(out: str) -> None:
 
 
 def test_deepspeed_behaviours_zero_dim_parameters_rely_on(tmp_path: Any) -> None:
-    """Pins DeepSpeed 0.19: the 0-dim trap and the two ways around it scalars.py takes."""
+    """Pins DeepSpeed 0.19: the 0-dim trap and the two ways around it zero/zero_dim.py takes."""
     env = {'RANK': '0', 'WORLD_SIZE': '1', 'LOCAL_RANK': '0', 'MASTER_ADDR': '127.0.0.1',
            'MASTER_PORT': str(free_port())}
     proc = run_command([sys.executable, 'tests/dist/scalar_pin_worker.py'], timeout=180,

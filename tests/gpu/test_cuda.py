@@ -73,7 +73,7 @@ def test_preemption_then_exact_resume_with_cuda_randomness(tmp_path: Any) -> Non
     import mmengine_deepspeed  # noqa: F401
     import tests.dist.worker  # noqa: F401  registers SignalHook
     from mmengine_deepspeed.checkpoint.layout import is_complete
-    from mmengine_deepspeed.preemption import Preempted
+    from mmengine_deepspeed.hooks.preemption import Preempted
     from tests.helpers import model_state, recorder, toy_config
 
     def runner_for(name: str, **extra: Any) -> Any:

@@ -34,7 +34,8 @@ def test_expected_bytes_follow_deepspeed_layout() -> None:
 def test_profile_rows() -> None:
     site = '/venv/lib/python3.11/site-packages'
     assert package_of(f'{site}/mmengine/runner/loops.py', 'run_iter') == 'mmengine'
-    assert package_of('/repo/mmengine_deepspeed/engine.py', 'train_step') == 'mmengine_deepspeed'
+    assert package_of('/repo/mmengine_deepspeed/engine/wrapper.py', 'train_step') \
+        == 'mmengine_deepspeed'
     assert package_of(f'{site}/deepspeed/runtime/engine.py', 'step') == 'deepspeed'
     assert package_of('~', "<built-in method torch._C._distributed_c10d.wait>") == \
         'collective waits'

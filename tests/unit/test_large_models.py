@@ -12,8 +12,8 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import nn
 
 from mmengine_deepspeed import DeepSpeedRunner
-from mmengine_deepspeed.offload import check_nvme, cpu_optimizer
-from mmengine_deepspeed.partitioned import GatherOnUse, build_advice
+from mmengine_deepspeed.engine.offload import check_nvme, cpu_optimizer
+from mmengine_deepspeed.zero.partitioned import GatherOnUse, build_advice
 from tests.helpers import ToyModel, toy_config
 
 OFFLOAD = {'zero_optimization': {'stage': 2, 'offload_optimizer': {'device': 'cpu'}}}

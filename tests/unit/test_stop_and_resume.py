@@ -24,8 +24,8 @@ from mmengine_deepspeed.checkpoint.data_order import (
     stream_seed,
 )
 from mmengine_deepspeed.failure import is_failure
-from mmengine_deepspeed.hooks import deepspeed_default_hooks
-from mmengine_deepspeed.preemption import Preempted, PreemptionHook, _at_update_boundary
+from mmengine_deepspeed.hooks.preemption import Preempted, PreemptionHook, _at_update_boundary
+from mmengine_deepspeed.hooks.registration import deepspeed_default_hooks
 
 
 class Noisy(Dataset):

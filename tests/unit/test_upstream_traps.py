@@ -16,7 +16,7 @@ from mmengine_deepspeed import DeepSpeedOptimWrapper, DeepSpeedRunner
 
 @pytest.mark.xfail(strict=True, raises=ModuleNotFoundError,
                    reason='MMEngine 0.10.7 imports deepspeed.runtime.fp16.onebit, removed in '
-                          'DeepSpeed 0.19; optimizers.py registers them itself')
+                          'DeepSpeed 0.19; engine/optimizers.py registers them itself')
 def test_mmengine_registers_deepspeed_optimizers() -> None:
     """Pins the trap: when MMEngine fixes it, this passes and the strict xfail says so."""
     from mmengine._strategy.deepspeed import register_deepspeed_optimizers

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .compat import full_shape, set_full_shape
-from .config import precision, zero_stage
+from ..compat import full_shape, set_full_shape
+from ..config.resolve import precision, zero_stage
 
 SCALAR_SHAPE = torch.Size([])
 SKIP_BROADCAST_MARK = 'ds_optim_param'

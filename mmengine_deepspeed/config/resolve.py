@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from .config_checks import (
+from .checks import (
     AUTO,
     DsConfigError,
     check_keys,

@@ -1,4 +1,4 @@
-"""unused.py: parameters some ranks skip."""
+"""zero/unused_params.py: parameters some ranks skip."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +9,7 @@ def test_find_unused_parameters_gradients_arrive_in_one_order_whatever_was_used(
     """DeepSpeed reduces gradients in the order they arrive: the surrogate makes that order
     depend on the parameter list only, gives skipped parameters zeros and carries the scale
     DeepSpeed puts on the loss (the fp16 loss scale) exactly."""
-    from mmengine_deepspeed.unused import reached_parameters, with_every_parameter
+    from mmengine_deepspeed.zero.unused_params import reached_parameters, with_every_parameter
 
     def run(use_head: bool) -> tuple[list[int], list[torch.Tensor]]:
         torch.manual_seed(0)

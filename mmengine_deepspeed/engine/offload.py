@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch.optim import Optimizer
 
-from .config import zero_stage
+from ..config.resolve import zero_stage
 
 CPU_OPTIMIZER_HINT = (
     "use optimizer=dict(type='DeepSpeedCPUAdam', ...) (or DeepSpeedCPUAdagrad / "

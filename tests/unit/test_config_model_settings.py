@@ -5,7 +5,7 @@ import copy
 
 import pytest
 
-from mmengine_deepspeed.model_settings import fit_reduce_bucket, match_norm_buffers
+from mmengine_deepspeed.config.model_settings import fit_reduce_bucket, match_norm_buffers
 from tests.helpers import ToyModel
 
 

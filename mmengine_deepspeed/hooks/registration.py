@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 from mmengine.hooks import CheckpointHook, EMAHook
 
-from .checkpoint.hook import DeepSpeedCheckpointHook  # noqa: F401  registers it
-from .checkpoint.loop import RandomStreamHook
+from ..checkpoint.loop import RandomStreamHook
+from .checkpoint import DeepSpeedCheckpointHook  # noqa: F401  registers it
 from .ema import DeepSpeedEMAHook  # noqa: F401  registers it
 from .monitor import ThroughputHook
 from .preemption import PreemptionHook  # noqa: F401  registers it

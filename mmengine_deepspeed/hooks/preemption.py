@@ -40,8 +40,8 @@ from mmengine.optim import OptimWrapperDict
 from mmengine.registry import HOOKS
 from typing_extensions import override
 
-from .checkpoint.layout import LAST_CHECKPOINT, write_text_atomic
-from .compat import save_with_checkpoint_hook
+from ..checkpoint.layout import LAST_CHECKPOINT, write_text_atomic
+from ..compat import save_with_checkpoint_hook
 
 DEFAULT_SIGNALS = ('SIGTERM', 'SIGUSR1')
 

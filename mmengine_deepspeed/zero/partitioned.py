@@ -20,7 +20,7 @@ gathering the whole model:
 * 0-dim parameters: DeepSpeed broadcasts a parameter as bytes
   (``view(torch.uint8)``), which torch refuses for a 0-dim tensor. They are
   partitioned as 1-element, 1-dim tensors and recorded 0-dim afterwards,
-  as ``scalars.py`` does for ``deepspeed.initialize``.
+  as ``zero_dim.py`` does for ``deepspeed.initialize``.
 """
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
-from .compat import full_numel, full_shape, is_zero3_param, set_full_shape
-from .config import zero_stage
-from .scalars import SCALAR_SHAPE, broadcastable
+from ..compat import full_numel, full_shape, is_zero3_param, set_full_shape
+from ..config.resolve import zero_stage
+from .zero_dim import SCALAR_SHAPE, broadcastable
 
 
 def is_partitioned(model: nn.Module) -> bool:
@@ -198,7 +198,7 @@ class GatherOnUse(TorchFunctionMode):
         param, gathered = self._held.pop(key)
         self._numel -= full_numel(param)
         # Leaving GatheredParameters broadcasts rank 0's values as bytes:
-        # a whole 0-dim parameter is 1-dim just for that (scalars.py).
+        # a whole 0-dim parameter is 1-dim just for that (zero_dim.py).
         with broadcastable([param]):
             gathered.__exit__(None, None, None)
 

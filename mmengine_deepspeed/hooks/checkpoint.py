@@ -19,7 +19,7 @@ from mmengine.hooks import CheckpointHook
 from mmengine.registry import HOOKS
 from typing_extensions import override
 
-from .export import publish_checkpoint
+from ..checkpoint.export import publish_checkpoint
 
 
 @HOOKS.register_module()

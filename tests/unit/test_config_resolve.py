@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from mmengine.config import ConfigDict
 
-from mmengine_deepspeed.config import (
+from mmengine_deepspeed.config.resolve import (
     DsConfigError,
     MMEngineSide,
     get_value,

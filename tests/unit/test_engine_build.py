@@ -1,4 +1,4 @@
-"""engines.py without a process group: how optimizers map to submodules, and the errors."""
+"""engine/build.py without a process group: how optimizers map to submodules, and the errors."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ from mmengine.registry import OPTIM_WRAPPER_CONSTRUCTORS
 from torch import nn
 
 import mmengine_deepspeed  # noqa: F401  registers the constructor
-from mmengine_deepspeed.engines import (
+from mmengine_deepspeed.engine.build import (
     as_plain_wrappers,
     is_several,
     mmengine_sides,

@@ -1,4 +1,4 @@
-"""monitor.py: ThroughputHook and the precision notes."""
+"""hooks/monitor.py: ThroughputHook and the precision notes."""
 from __future__ import annotations
 
 from typing import Any
@@ -30,7 +30,7 @@ def test_throughput_hook_measures_peak_memory_when_logged(hooks: list, interval:
     iterations whose log line prints it: LoggerHook's interval unless given."""
     from mmengine.hooks import LoggerHook
 
-    from mmengine_deepspeed.monitor import ThroughputHook
+    from mmengine_deepspeed.hooks.monitor import ThroughputHook
 
     runner = _ThroughputRunner([LoggerHook(interval=5) for _ in hooks])
     hook = ThroughputHook(interval=interval)
@@ -52,7 +52,7 @@ def test_throughput_hook_measures_peak_memory_when_logged(hooks: list, interval:
 
 def test_emulated_bf16_is_named_with_its_cost_and_the_fix(monkeypatch: Any) -> None:
     """The CPU probe is replaced: this machine's CPU may compute bf16 natively."""
-    import mmengine_deepspeed.monitor as monitor
+    import mmengine_deepspeed.hooks.monitor as monitor
 
     monkeypatch.setattr(monitor, 'native_bf16', lambda: False)
     note = monitor.precision_note(True, 'bf16', on_cuda=False)

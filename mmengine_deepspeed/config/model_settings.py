@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .compat import full_numel
-from .config import precision, zero_stage
+from ..compat import full_numel
+from .resolve import precision, zero_stage
 
 # DeepSpeed 0.19's default zero_optimization.reduce_bucket_size, in elements.
 DEEPSPEED_REDUCE_BUCKET = 500_000_000

@@ -1,7 +1,7 @@
 """The ds_config on its own: dotted lookups, the keys DeepSpeed knows, where ``"auto"``
 may stand, value types and precision.
 
-These checks need nothing from the MMEngine config; ``config.py`` runs them
+These checks need nothing from the MMEngine config; ``config/resolve.py`` runs them
 first, then reconciles the ds_config with the MMEngine side.
 """
 from __future__ import annotations

@@ -8,12 +8,9 @@ the engine's bookkeeping see every step. Nothing is patched onto the engine.
 """
 from __future__ import annotations
 
-import copy
-from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Mapping
 from typing import Any, Optional, Union
 
-import deepspeed
 import torch
 from deepspeed import DeepSpeedEngine
 from mmengine.model import BaseDataPreprocessor, BaseModel
@@ -23,8 +20,7 @@ from mmengine.structures import BaseDataElement
 from torch import nn
 from typing_extensions import override
 
-from .compat import module_hook_dicts
-from .scalars import broadcastable
+from ..zero.gather import whole_copy
 
 Data = Union[dict, tuple, list]
 
@@ -54,61 +50,6 @@ def cast_floating(data: Any, dtype: torch.dtype) -> Any:
     if isinstance(data, (list, tuple)):
         return type(data)(cast_floating(v, dtype) for v in data)
     return data
-
-
-@contextmanager
-def gathered(module: nn.Module, modify: bool = False) -> Iterator[None]:
-    """Full parameters inside the block (a no-op unless ZeRO-3 partitions them).
-
-    Args:
-        module (nn.Module): The engine's module.
-        modify (bool): Whether the block writes the parameters; rank 0's
-            values are then re-partitioned to every rank. Defaults to False.
-    """
-    with gathered_params(list(module.parameters()), modify):
-        yield
-
-
-@contextmanager
-def gathered_params(params: list[nn.Parameter], modify: bool = False) -> Iterator[None]:
-    """:func:`gathered` for some parameters (one at a time keeps a large model partitioned).
-
-    Args:
-        params (list[nn.Parameter]): The parameters to gather.
-        modify (bool): As in :func:`gathered`. Defaults to False.
-    """
-    # The ExitStack closes after GatheredParameters, which broadcasts a
-    # modified ZeRO-3 parameter on leaving: 0-dim ones are 1-dim just for
-    # that (see scalars.py).
-    with ExitStack() as after_exit, \
-            deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None):
-        try:
-            yield
-        finally:
-            if modify:
-                after_exit.enter_context(broadcastable(params))
-
-
-def _from_deepspeed(hook: Any) -> bool:
-    return (getattr(getattr(hook, 'func', hook), '__module__', None) or '').startswith('deepspeed')
-
-
-def whole_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` with whole, plain parameters and no DeepSpeed hooks.
-
-    ZeRO-3 parameters are gathered for the copy (collective: every rank
-    copies). The hooks an engine put on the module and its children would
-    drive that engine from the copy; they are left out (by where their
-    functions come from: torch keeps hooks in the private ``_forward_hooks``
-    and siblings, whose removal tests/dist/test_runner_contract.py checks).
-    """
-    with gathered(module):
-        copied = copy.deepcopy(module)
-    for child in copied.modules():
-        for hooks in module_hook_dicts(child):
-            for key in [k for k, hook in hooks.items() if _from_deepspeed(hook)]:
-                del hooks[key]
-    return copied
 
 
 def overrides(module: nn.Module, method: str) -> bool:

@@ -32,8 +32,8 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from .compat import backward_prologue
-from .unused import UsedParameters, with_every_parameter
+from ..compat import backward_prologue
+from ..zero.unused_params import UsedParameters, with_every_parameter
 
 
 # force=True: importing mmengine.runner (done above, so that the order is
@@ -58,7 +58,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
             used only to decide whether a grad norm is logged when the engine
             does not compute one. Defaults to 0.
         find_unused_parameters (bool): Let ranks use different parameters
-            in an iteration (DDP's option of that name; see ``unused.py``).
+            in an iteration (DDP's option of that name; see ``zero/unused_params.py``).
             Without it, such an iteration on several ranks raises.
             Defaults to False.
         name (str, optional): The key of this wrapper in an
@@ -164,7 +164,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         Under ZeRO-0 the gradients are complete and all-reduced by the end of
         the boundary backward, so the norm is the same on every rank. Where
         the runner switched the engine's clipping off (0-dim parameters, see
-        scalars.py) the gradients are clipped here, as DeepSpeed would:
+        zero/zero_dim.py) the gradients are clipped here, as DeepSpeed would:
         ``min(1, max_norm / (norm + 1e-6))``.
         """
         if self.clip_max_norm <= 0 or self.engine.zero_optimization() \

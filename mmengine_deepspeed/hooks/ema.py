@@ -30,8 +30,8 @@ from mmengine.registry import HOOKS, MODELS
 from torch import nn
 from typing_extensions import override
 
-from .compat import resume_requested
-from .engine import gathered, whole_copy
+from ..compat import resume_requested
+from ..zero.gather import gathered, whole_copy
 
 
 class _Fp32View:

@@ -19,9 +19,9 @@ from mmengine.hooks import Hook, LoggerHook
 from mmengine.registry import HOOKS
 from typing_extensions import override
 
-from .compat import full_numel, local_partition
-from .config import get_value, precision, zero_stage
-from .dist import native_bf16
+from ..compat import full_numel, local_partition
+from ..config.resolve import get_value, precision, zero_stage
+from ..dist import native_bf16
 
 
 def peak_memory_mb() -> float:

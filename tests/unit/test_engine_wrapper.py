@@ -1,4 +1,4 @@
-"""engine.py: what the model wrapper does to batches, and which steps a model overrides."""
+"""engine/wrapper.py: what the model wrapper does to batches, and which steps a model overrides."""
 from __future__ import annotations
 
 from collections import namedtuple
@@ -7,7 +7,7 @@ import torch
 from mmengine.structures import BaseDataElement
 from torch import nn
 
-from mmengine_deepspeed.engine import cast_floating, overrides
+from mmengine_deepspeed.engine.wrapper import cast_floating, overrides
 from tests.helpers import ToyCustomStepModel, ToyModel
 
 

@@ -31,13 +31,13 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from .checkpoint.layout import SINGLE_ENGINE
-from .compat import accumulative_counts
-from .config import MMEngineSide, zero_stage
-from .engine import DeepSpeedEngineWrapper, cast_floating
-from .model_settings import fit_to_model
+from ..checkpoint.layout import SINGLE_ENGINE
+from ..compat import accumulative_counts
+from ..config.model_settings import fit_to_model
+from ..config.resolve import MMEngineSide, zero_stage
+from ..zero.zero_dim import engine_config, initializable
 from .optim_wrapper import DeepSpeedOptimWrapper
-from .scalars import engine_config, initializable
+from .wrapper import DeepSpeedEngineWrapper, cast_floating
 
 # torch optimizers that update each element from its own gradient and state
 # only, and therefore behave the same on ZeRO's flattened partitions. DeepSpeed

@@ -1,0 +1,1 @@
+"""The ds_config: loading, "auto" filling, checks, model-dependent settings."""

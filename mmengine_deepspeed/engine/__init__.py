@@ -1,0 +1,1 @@
+"""DeepSpeed engines: building them, the model and optim wrappers, optimizers."""

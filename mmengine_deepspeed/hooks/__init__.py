@@ -1,0 +1,1 @@
+"""Hooks: which MMEngine hooks are swapped or added, and our own."""

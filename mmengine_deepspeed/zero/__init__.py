@@ -1,0 +1,1 @@
+"""ZeRO specifics: partitioned construction, gathering, 0-dim and unused parameters."""
