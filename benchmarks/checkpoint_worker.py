@@ -24,7 +24,6 @@ def main() -> None:
     import mmengine_deepspeed.demo  # noqa: F401  registers DeepSpeedRunner and TinyGPT
     from benchmarks.common import ds_config
     from benchmarks.overhead_worker import mmengine_cfg
-    from mmengine_deepspeed.checkpoint import io as ckpt_io
 
     model, stage, out, repeats = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     cfg = mmengine_cfg(model, 1, osp.join(out, 'work'))
@@ -55,7 +54,7 @@ def main() -> None:
     for _ in range(repeats):
         saves.append(seconds(lambda: runner.save_checkpoint(out, 'ours.pth', by_epoch=False)))
         raw_saves.append(seconds(raw_save))
-    resume = statistics.median(seconds(lambda: ckpt_io.resume(runner, ours, False))
+    resume = statistics.median(seconds(lambda: runner.resume(ours))
                                for _ in range(repeats))
     if dist.get_rank() == 0:
         print('RESULT ' + json.dumps(dict(stage=stage, save_s=saves, raw_save_s=raw_saves,

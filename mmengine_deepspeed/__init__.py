@@ -14,7 +14,7 @@ hide_cpu_accelerator_notice()  # before the imports below import DeepSpeed
 
 from .checkpoint import CheckpointError, export_checkpoint  # noqa: E402
 from .compat import check_upstream  # noqa: E402
-from .config.resolve import DsConfigError, MMEngineSide, resolve_ds_config  # noqa: E402
+from .config.resolve import DsConfigError, MMEngineSettings, resolve_ds_config  # noqa: E402
 from .engine.optim_wrapper import DeepSpeedOptimWrapper  # noqa: E402
 from .engine.optimizers import register_deepspeed_optimizers  # noqa: E402
 from .engine.wrapper import DeepSpeedEngineWrapper  # noqa: E402
@@ -30,7 +30,7 @@ __all__ = [
     'DeepSpeedOptimWrapper',
     'DeepSpeedRunner',
     'DsConfigError',
-    'MMEngineSide',
+    'MMEngineSettings',
     '__version__',
     'export_checkpoint',
     'init_distributed',

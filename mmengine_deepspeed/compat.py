@@ -38,6 +38,8 @@ PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
      'overridden: publishing from a checkpoint directory (tests/dist/test_checkpoint_hook.py)'),
     ('mmengine.hooks', 'EMAHook', '_swap_ema_parameters',
      'overridden: swapping gathered ZeRO-3 weights (tests/dist/test_checkpoint.py EMA cases)'),
+    ('torch._dynamo.utils', None, 'counters',
+     'the compile report of compile=... runs (tests/dist/test_compile.py)'),
 )
 
 
@@ -167,17 +169,16 @@ def set_loop_position(loop: Any, epoch: int, iteration: int) -> None:
     loop._iter = iteration
 
 
-def resume_requested(runner: Any) -> bool:
-    """Whether the runner resumes (``resume=True``), which Runner keeps as ``_resume``."""
-    return bool(runner._resume)
-
-
-def request_resume(runner: Any, path: Optional[str]) -> None:
-    """Make the runner resume from ``path`` (None: the latest checkpoint in ``work_dir``)."""
-    runner._resume, runner._load_from = True, path
-
-
 # --- torch ------------------------------------------------------------------------------
+
+def dynamo_counts() -> dict[str, int]:
+    """dynamo's process-wide compile counters (torch has no public API for them; pinned by
+    tests/dist/test_compile.py, which reads them through the runner's log)."""
+    from torch._dynamo.utils import counters
+    return {'frames': int(counters['frames']['total']),
+            'graphs': int(counters['stats']['unique_graphs']),
+            'graph_breaks': int(sum(counters['graph_break'].values()))}
+
 
 def module_hook_dicts(module: nn.Module) -> tuple[dict, ...]:
     """A module's forward/backward hook dicts: torch removes hooks only by handle, and a

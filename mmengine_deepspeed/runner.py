@@ -15,13 +15,13 @@ import contextlib
 import inspect
 import os.path as osp
 from collections.abc import Mapping
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import deepspeed
-import torch
 from mmengine.config import Config
 from mmengine.dist import get_rank
 from mmengine.logging import MessageHub, MMLogger
+from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.registry import RUNNERS
 from mmengine.runner import Runner
@@ -30,41 +30,31 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.data_order import resumable_loader
-from .checkpoint.layout import SINGLE_ENGINE
 from .checkpoint.loop import resumable_loop
-from .checkpoint.reshard import Layout, load_universal_if_needed
+from .checkpoint.plan import ResumeKind
 from .checkpoint.runner_methods import CheckpointMethods
-from .config.resolve import (
-    DsConfigSource,
-    bf16_request,
-    precision,
-    resolve_ds_config,
-    zero_stage,
-)
-from .dist import cuda_available, init_distributed, native_bf16, quiet_deepspeed
+from .config.resolve import DsConfigSource
+from .dist import init_distributed, quiet_deepspeed
 from .engine.activation import checkpoint_through_deepspeed, has_section
-from .engine.build import (
-    as_plain_wrappers,
-    build_engines,
-    evaluation_stage,
-    left_unwrapped,
-    mmengine_sides,
-    named_optimizers,
-    wrap_optimizers,
-)
-from .engine.offload import check_nvme, cpu_optimizer
+from .engine.build import build_engines, left_unwrapped, wrap_optimizers
+from .engine.compile import compile_engines, compile_options, compile_report
+from .engine.offload import check_nvme
 from .engine.optim_wrapper import DeepSpeedOptimWrapper
+from .engine.spec import (
+    SINGLE_ENGINE,
+    EngineSpecs,
+    as_plain_wrappers,
+    mmengine_settings,
+    named_optimizers,
+)
 from .engine.wrapper import overrides
 from .failure import failing_together
 from .hooks.ema import DeepSpeedEMAHook
-from .hooks.monitor import banner, precision_note
 from .hooks.preemption import PreemptionHook
 from .hooks.registration import deepspeed_custom_hooks, deepspeed_default_hooks
 from .zero.partitioned import build_advice, gather_on_use, partitioned_construction
-from .zero.unused_params import zero3_unsupported
-
-CAST_DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': None}
 
 
 def _from_cfg(cfg: Optional[Config], key: str, value: Any, default: Any) -> Any:
@@ -101,7 +91,6 @@ class DeepSpeedRunner(CheckpointMethods):
         **kwargs: Keyword arguments of :class:`mmengine.runner.Runner`.
     """
 
-    _has_loaded: bool
     _find_unused_parameters: bool
 
     def __init__(self, *args: Any, ds_config: DsConfigSource = None,
@@ -117,29 +106,35 @@ class DeepSpeedRunner(CheckpointMethods):
             cfg, 'allow_unsafe_checkpoints', allow_unsafe_checkpoints, False))
         self.zero_init = bool(_from_cfg(cfg, 'zero_init', zero_init, True))
         filename = getattr(cfg, 'filename', None)
-        self._ds_config_source = ds_config
-        self._config_dir = osp.dirname(osp.abspath(filename)) if filename else None
-        self._sides = mmengine_sides(arguments.get('train_dataloader'),
-                                     arguments.get('optim_wrapper'),
-                                     arguments.get('param_scheduler'))
+        self.engine_specs = EngineSpecs(
+            ds_config, osp.dirname(osp.abspath(filename)) if filename else None,
+            mmengine_settings(arguments.get('train_dataloader'), arguments.get('optim_wrapper'),
+                              arguments.get('param_scheduler')))
         # Refuse a bad ds_config before any process group or file exists.
-        for name in self._sides:
-            check_nvme(self._resolve_ds_config(name, world_size=None))
+        self.engine_specs.resolve(world_size=None)
+        for spec in self.engine_specs:
+            check_nvme(spec.ds_config)
         self._weights_initialized = False
         self._engines_wanted = False  # build_optim_wrapper builds engines (inside train())
-        self._deepspeed_checkpointed: Optional[Any] = None
-        self._resume_target: Optional[tuple[Optional[str]]] = None
-        self.engines: dict[str, deepspeed.DeepSpeedEngine] = {}
-        self.engine_modules: dict[str, str] = {}
-        self.ds_config: dict = {}
+        self._taken: dict[str, Any] = {}  # cfg keys train() does itself (see _train)
+        self._compile_counts: Optional[dict[str, int]] = None
         super().__init__(*args, **kwargs)
-        self._resume_after_restart()
+        self.checkpointer = Checkpointer(
+            self.work_dir, resume=bool(arguments.get('resume', False)),
+            load_from=arguments.get('load_from'),
+            allow_unsafe=self.allow_unsafe_checkpoints, logger=self.logger)
+        self.checkpointer.resume_after_restart()
 
-    def _resolve_ds_config(self, name: str, world_size: Optional[int]) -> dict:
-        side = self._sides.get(name, self._sides[next(iter(self._sides))])
-        return resolve_ds_config(self._ds_config_source, side, world_size=world_size,
-                                 cuda_available=cuda_available(),
-                                 config_dir=self._config_dir, native_bf16=native_bf16())
+    @property
+    def engines(self) -> dict[str, deepspeed.DeepSpeedEngine]:
+        """The DeepSpeed engines by name (``'model'`` for one optimizer), once built."""
+        return self.engine_specs.engines()
+
+    @property
+    @override
+    def bare_model(self) -> nn.Module:
+        """The user's model, wrapped or not."""
+        return cast(nn.Module, self.model.module) if is_model_wrapper(self.model) else self.model
 
     @override
     def setup_env(self, env_cfg: dict) -> None:
@@ -178,15 +173,15 @@ class DeepSpeedRunner(CheckpointMethods):
         as it is built (in the ds_config's dtype), so the largest model
         that fits is set by all ranks' memory together, not by one rank's.
         """
-        ds_config = self._resolve_ds_config(next(iter(self._sides)), self.world_size)
-        self.ds_config = ds_config  # what a checkpoint taken before train() records
-        advice = build_advice(model, ds_config, self.zero_init, len(self._sides))
+        specs = self.engine_specs
+        specs.resolve(self.world_size)
+        advice = build_advice(model, specs.zero_stage, self.zero_init, len(specs))
         if advice is not None:
             self.logger.info(advice)
         if not isinstance(model, dict) or advice is not None or not self.zero_init \
-                or zero_stage(ds_config) != 3:
+                or specs.zero_stage != 3:
             return super().build_model(model)
-        with partitioned_construction(ds_config):
+        with partitioned_construction(specs.process_config('zero_optimization')):
             built = super().build_model(model)
         self.logger.info('Built the model partitioned under ZeRO-3 (deepspeed.zero.Init); '
                          'set zero_init=False to build it whole on every rank.')
@@ -233,23 +228,34 @@ class DeepSpeedRunner(CheckpointMethods):
                 if isinstance(hook, PreemptionHook):
                     signals.enter_context(hook.catching_signals())
             # MMEngine's train() calls build_optim_wrapper once: that call builds the engines.
-            self._engines_wanted = not self.engines
+            self._engines_wanted = not self.engine_specs.built
+            self.checkpointer.plan(self._layout())  # resolved once, before anything loads
             try:
                 return self._train()
             finally:
                 self._engines_wanted = False
 
     def _train(self) -> nn.Module:
-        listed = self.cfg.get('activation_checkpointing')
-        if listed is None or not has_section(self._resolve_ds_config(next(iter(self._sides)),
-                                                                      self.world_size)):
-            return super().train()
-        self._deepspeed_checkpointed = self.cfg.pop('activation_checkpointing')
+        """MMEngine's ``train()`` without the cfg keys this runner does itself.
+
+        ``activation_checkpointing`` (when ds_config has DeepSpeed's section)
+        goes through DeepSpeed's checkpoint, and ``compile`` compiles the
+        engines' modules (``engine/compile.py``): MMEngine would wrap the
+        modules with torch's checkpoint and compile ``train_step`` instead.
+        """
+        keys = ['compile'] if self.cfg.get('compile') is not None else []
+        if self.cfg.get('activation_checkpointing') is not None \
+                and has_section(self._activation_config()):
+            keys.append('activation_checkpointing')
+        self._taken = {key: self.cfg.pop(key) for key in keys}
         try:
-            return super().train()
+            model = super().train()
         finally:
-            self.cfg['activation_checkpointing'] = listed
-            self._deepspeed_checkpointed = None
+            self.cfg.update(self._taken)
+            self._taken = {}
+        if self._compile_counts is not None:
+            self.logger.info(compile_report(self._compile_counts))
+        return model
 
     @override
     def _init_model_weights(self) -> None:
@@ -263,7 +269,7 @@ class DeepSpeedRunner(CheckpointMethods):
         """
         if self._weights_initialized:
             return
-        if self.engines:
+        if self.engine_specs.built:
             raise RuntimeError('init_weights() must run before the DeepSpeed engine is built.')
         model = self.bare_model
         if hasattr(model, 'init_weights'):
@@ -300,77 +306,56 @@ class DeepSpeedRunner(CheckpointMethods):
             return super().build_optim_wrapper(as_plain_wrappers(optim_wrapper))
         self._engines_wanted = False  # one call builds them; later ones are the factory's
         self._init_model_weights()
-        ds_config = self._resolve_ds_config(next(iter(self._sides)), self.world_size)
+        ds_config = self._activation_config()
         if has_section(ds_config):
-            wrapped = checkpoint_through_deepspeed(self.bare_model,
-                                                   self._deepspeed_checkpointed or [], ds_config)
+            listed = self._taken.get('activation_checkpointing') or []
+            wrapped = checkpoint_through_deepspeed(self.bare_model, listed, ds_config)
             self.logger.info('DeepSpeed activation checkpointing configured; modules through '
                              f'its checkpoint: {", ".join(wrapped) or "none listed"}.')
-        optimizers = named_optimizers(super().build_optim_wrapper(as_plain_wrappers(optim_wrapper)))
-        configs, stepped = self._build_engines(optimizers)
-        return wrap_optimizers(self.engines, {k: v for k, v in stepped.items() if v is not None},
-                               configs, self._find_unused_parameters,
+        built = super().build_optim_wrapper(as_plain_wrappers(optim_wrapper))
+        # The engines follow the wrappers built now (runner.optim_wrapper may have changed).
+        self.engine_specs = EngineSpecs(
+            self.engine_specs.source, self.engine_specs.config_dir,
+            mmengine_settings(self.train_dataloader, built, self.param_schedulers))
+        self._build_engines(named_optimizers(built))
+        options = compile_options(self._taken.get('compile'))
+        if options is not None:
+            self._compile_counts = compile_engines(self.engine_specs, options, self.logger)
+        return wrap_optimizers(self.engine_specs, self._find_unused_parameters,
                                own_train_step=overrides(self.bare_model, 'train_step'))
 
-    def _build_engines(self, optimizers: Mapping[str, Optional[Optimizer]]
-                       ) -> tuple[dict[str, dict], dict[str, Optional[Optimizer]]]:
-        """One engine per optimizer; ``runner.model`` becomes their wrapper.
+    def _activation_config(self) -> dict:
+        return self.engine_specs.process_config('activation_checkpointing')
 
-        Returns:
-            tuple: The resolved ds_config of each engine, and the optimizers
-            the engines step (DeepSpeed's CPU Adam where ZeRO offloads).
-        """
-        if self.engines:
-            trained = self.has_training_engines()
+    def _build_engines(self, optimizers: Mapping[str, Optional[Optimizer]]) -> None:
+        """One engine per optimizer (``engine/build.py``); ``runner.model`` wraps them."""
+        if self.engine_specs.built:
             raise RuntimeError(
                 'The DeepSpeed engines were already built with their optimizers (train() or '
                 'build_optim_wrapper() ran); use runner.optim_wrapper, or build a new runner '
-                'to train with another optimizer.' if trained else
+                'to train with another optimizer.' if self.engine_specs.training else
                 'The DeepSpeed engine was already built without an optimizer by val()/test(); '
                 'call train() first, or build a new runner for training.')
-        model = self.bare_model
-        configs = {name: self._resolve_ds_config(name, world_size=self.world_size)
-                   for name in optimizers}
-        stage = zero_stage(next(iter(configs.values())))
-        training = any(optimizer is not None for optimizer in optimizers.values())
-        unsupported = zero3_unsupported(stage)
-        if self._find_unused_parameters and training and unsupported is not None:
-            self.logger.warning(unsupported)
-            self._find_unused_parameters = False
-        if not training and stage in (1, 2):
-            self.logger.info(evaluation_stage(configs))
-        optimizers = dict(optimizers)
-        for name, optimizer in optimizers.items():
-            if optimizer is not None:
-                optimizers[name], note = cpu_optimizer(optimizer, configs[name])
-                if note is not None:
-                    self.logger.info(note)
-        if self._load_from is not None and not self._resume and not self._has_loaded:
-            # Into the bare model, so DeepSpeed partitions (and keeps fp32
-            # masters of) the loaded weights.
-            self.load_checkpoint(self._load_from)
+        self.model, self._find_unused_parameters = build_engines(
+            self.engine_specs, self.bare_model, optimizers, world_size=self.world_size,
+            find_unused_parameters=self._find_unused_parameters, logger=self.logger,
+            before_partitioning=self._before_partitioning)
+
+    def _before_partitioning(self, specs: EngineSpecs) -> None:
+        """What needs the model whole, between the optimizers and ``deepspeed.initialize``."""
+        plan = self.checkpointer.plan(self._layout())
+        if plan.kind is ResumeKind.WEIGHTS and not self.checkpointer.weights_loaded:
+            # Into the bare model, so DeepSpeed partitions (and keeps fp32 masters of) them.
+            self.load_checkpoint(str(plan.path))
         for hook in self.hooks:
             if isinstance(hook, DeepSpeedEMAHook):
-                hook.take_template(model)  # full fp32 weights, before partitioning
-        resume_from = self._resume_path() if training else None
-        if resume_from is not None:
-            load_universal_if_needed(resume_from, Layout(self.world_size, stage), optimizers,
-                                     configs)
-        self.ds_config = configs[next(iter(configs))]
-        self.engines, self.engine_modules, self.model = build_engines(
-            model, optimizers, configs, CAST_DTYPES[precision(self.ds_config)])
-        self.logger.info(banner(self.ds_config, self.world_size, model, training))
-        if len(self.engines) > 1:
-            self.logger.info('One DeepSpeed engine per optimizer: ' + ', '.join(
-                f'{name} -> model.{path}' for name, path in self.engine_modules.items()))
-        note = precision_note(bf16_request(self._ds_config_source, self._config_dir),
-                              precision(self.ds_config), cuda_available())
-        if note is not None:
-            self.logger.warning(note)
-        return configs, optimizers
+                hook.take_template(self.bare_model)  # full fp32 weights, before partitioning
+        if any(spec.optimizer is not None for spec in specs):
+            self.checkpointer.prepare_universal(specs)
 
     def _ensure_engine(self) -> None:
-        if not self.engines:
+        self.checkpointer.plan(self._layout())  # resolved once, before anything loads
+        if not self.engine_specs.built:
             self._build_engines({SINGLE_ENGINE: None})
 
     @override

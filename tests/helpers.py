@@ -25,6 +25,7 @@ from mmengine.registry import DATASETS, HOOKS, METRICS, MODELS
 from torch import nn
 from torch.utils.data import Dataset
 
+from mmengine_deepspeed.compat import dynamo_counts
 from mmengine_deepspeed.dist import free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -393,7 +394,8 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @HOOKS.register_module()
 class RecorderHook(Hook):
-    """Records the loss and learning rate of every iteration and the val metrics."""
+    """Records the loss and learning rate of every iteration, the val metrics, and how many
+    graphs torch.compile has built in this process after each iteration."""
 
     priority = 'VERY_LOW'
 
@@ -401,12 +403,14 @@ class RecorderHook(Hook):
         self.losses: list[float] = []
         self.lrs: list[float] = []
         self.metrics: list[dict] = []
+        self.compiled_graphs: list[int] = []
 
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
                          outputs: Optional[dict] = None) -> None:
         assert outputs is not None
         self.losses.append(float(outputs['loss'].detach()))
         self.lrs.append(float(runner.optim_wrapper.get_lr()['lr'][0]))
+        self.compiled_graphs.append(dynamo_counts()['graphs'])
 
     def after_val_epoch(self, runner: Any, metrics: Optional[dict] = None) -> None:
         self.metrics.append({k: float(v) for k, v in (metrics or {}).items()})

@@ -33,6 +33,8 @@ import re
 import zipfile
 from typing import Any, Optional
 
+from ..engine.spec import SINGLE_ENGINE
+
 DS_TAG = 'deepspeed'
 CLIENT_FILE = 'client_state.pt'
 META_FILE = 'meta.json'
@@ -44,11 +46,19 @@ LAST_CHECKPOINT = 'last_checkpoint'
 # engine's submodule; 1 (one engine, shards inside DS_TAG) is still read.
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
-# Client-state key: parameters and buffers of a model with several engines
-# that no engine holds (rank 0's), keys as in ``model.state_dict()``.
+
+# The keys of the client state (CLIENT_FILE); ``parts.py`` saves and loads
+# each, hooks add their own (EMA_KEY: MMEngine's EMAHook's name).
+META_KEY = 'meta'
+MESSAGE_HUB_KEY = 'message_hub'
+PARAM_GROUPS_KEY = 'optimizer_param_groups'
+PARAM_SCHEDULERS_KEY = 'param_schedulers'
+# Parameters and buffers of a model with several engines that no engine
+# holds (rank 0's), keys as in ``model.state_dict()``.
 OUTSIDE_ENGINES_KEY = 'outside_engines'
-# The engine of a model with one optimizer: around the whole model.
-SINGLE_ENGINE = 'model'
+EMA_KEY = 'ema_state_dict'
+# The weights in WEIGHTS_FILE and in MMEngine's ``.pth`` checkpoints.
+STATE_DICT_KEY = 'state_dict'
 
 
 def engine_tag(name: str) -> str:

@@ -17,7 +17,6 @@ import os.path as osp
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +26,7 @@ from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from typing_extensions import override
 
-from .layout import CheckpointError, check_checkpoint, has_optimizer_state, write_text_atomic
+from .layout import CheckpointError, write_text_atomic
 from .safe_load import safe_load
 
 ADAM_STATE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, FusedAdam, DeepSpeedCPUAdam)
@@ -82,27 +81,6 @@ def needs_universal(saved: Layout, current: Layout, path: str) -> bool:
 # (ZeRO-3: per-rank files, read as rank 0's under universal loading).
 STATE_FILE = {True: 'zero_pp_rank_0_mp_rank_00_model_states.pt',
               False: 'mp_rank_00_model_states.pt'}
-
-
-def load_universal_if_needed(path: str, current: Layout, optimizers: Mapping[str, Any],
-                             configs: Mapping[str, dict]) -> None:
-    """Before the engines exist: configure them to load ``path`` as a universal checkpoint.
-
-    Refuses a bad checkpoint, an impossible layout change or optimizers a
-    universal checkpoint cannot carry before any work is done.
-
-    Args:
-        path (str): The checkpoint to resume from.
-        current (Layout): This run's layout.
-        optimizers (Mapping[str, Any]): The optimizers, by engine name.
-        configs (Mapping[str, dict]): Their ds_configs, updated in place.
-    """
-    meta = check_checkpoint(path)
-    saved = Layout(meta['world_size'], meta['zero_stage'])
-    if has_optimizer_state(meta) and needs_universal(saved, current, path):
-        for name, ds_config in configs.items():
-            check_reshardable(optimizers[name], path)
-            ds_config.setdefault('checkpoint', {})['load_universal'] = True
 
 
 def check_reshardable(optimizer: Any, path: str) -> None:

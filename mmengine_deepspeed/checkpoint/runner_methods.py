@@ -3,68 +3,85 @@
 ``save_checkpoint``, ``resume``, ``load_or_resume`` and ``load_checkpoint``
 keep MMEngine's signatures and meaning; what differs is that every rank takes
 part (a checkpoint is a directory of DeepSpeed shards plus our client state)
-and that loading never unpickles untrusted files by default.
+and that loading never unpickles untrusted files by default. Each method
+hands over to the runner's :class:`Checkpointer` with what it needs (the
+engines, the model, the parts); the runner provides those.
 """
 from __future__ import annotations
 
-import os
 import os.path as osp
 from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import Any, Optional, cast
+from typing import Any, Optional
 
-from mmengine.model import is_model_wrapper
-from mmengine.runner import Runner
+from mmengine.runner import EpochBasedTrainLoop, Runner
 from torch import nn
 from typing_extensions import override
 
-from ..compat import request_resume
+from ..engine.spec import EngineSpecs
 from ..zero.gather import gathered
-from . import io as ckpt_io
-from .layout import CheckpointError, find_latest_complete
+from .checkpointer import Checkpointer, run_facts
+from .layout import CheckpointError
+from .load_weights import load_weights_into
+from .parts import (
+    LoopPart,
+    MessageHubPart,
+    OutsideEnginesPart,
+    ParamGroupsPart,
+    Part,
+    RankStatePart,
+    SchedulersPart,
+    named_wrappers,
+)
+from .reshard import Layout
 from .save import save_failure
+from .state import plain
 
 # MMEngine's names for the local disk (FileClient's 'disk', the file backends' 'local').
 LOCAL_BACKENDS = ('local', 'disk')
 
 
 class CheckpointMethods(Runner):
-    """The Runner's checkpoint API; mixed into :class:`DeepSpeedRunner`."""
+    """The Runner's checkpoint API over a :class:`Checkpointer`; mixed into DeepSpeedRunner."""
 
-    engines: dict
-    allow_unsafe_checkpoints: bool
-    _resume_target: Optional[tuple[Optional[str]]]
-
-    _pending_resume: Optional[str] = None  # resume() ran before train()
-
-    def has_training_engines(self) -> bool:
-        """Whether train() (or build_optim_wrapper) built the engines, with optimizers."""
-        return any(e.client_optimizer is not None for e in self.engines.values())
-
-    def _resume_after_restart(self) -> None:
-        """After the elastic agent restarted the job (``--max-restarts``), resume by itself.
-
-        torchrun (and ``mmengine-deepspeed train --max-restarts``) restart
-        every process when one dies, with ``TORCHELASTIC_RESTART_COUNT`` > 0;
-        the latest complete checkpoint in ``work_dir`` is then what to
-        continue from, whatever ``resume`` / ``load_from`` the config says.
-        """
-        restart = int(os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0)
-        if restart == 0:
-            return
-        latest, _ = find_latest_complete(self.work_dir)
-        if latest is None:
-            self.logger.warning(f'Restart {restart} of this job: no complete checkpoint in '
-                                f'{self.work_dir} yet, starting over.')
-            return
-        request_resume(self, latest)
-        self.logger.warning(f'Restart {restart} of this job: resuming from {latest}, the latest '
-                            'complete checkpoint.')
+    checkpointer: Checkpointer
+    engine_specs: EngineSpecs
 
     @property
     def bare_model(self) -> nn.Module:
-        """The user's model, wrapped or not."""
-        return cast(nn.Module, self.model.module) if is_model_wrapper(self.model) else self.model
+        """The user's model; the runner defines it."""
+        raise NotImplementedError
+
+    def checkpoint_parts(self, meta: Optional[dict] = None,
+                         save_param_scheduler: bool = True) -> list[Part]:
+        """The run state a checkpoint holds beside the engines, in restore order (``parts.py``).
+
+        Args:
+            meta (dict, optional): The meta to save (loop position and facts);
+                None when restoring. Defaults to None.
+            save_param_scheduler (bool): Save the (built) param schedulers.
+                Defaults to True.
+        """
+        loop = self.train_loop
+        schedule = ('' if loop is None else f'max_epochs={self.max_epochs}'
+                    if isinstance(loop, EpochBasedTrainLoop) else f'max_iters={self.max_iters}')
+        return [
+            ParamGroupsPart(named_wrappers(self.optim_wrapper) if self.engine_specs.training
+                            else {}),
+            OutsideEnginesPart(self.bare_model, self.engine_specs.modules()),
+            LoopPart(loop, meta or {}),
+            MessageHubPart(self.message_hub),
+            SchedulersPart(self.param_schedulers, schedule, self.logger, save_param_scheduler),
+            RankStatePart(self.bare_model),
+        ]
+
+    def _dataset_meta(self) -> Any:
+        """The training dataset's ``metainfo`` (None for a runner without training)."""
+        dataset = getattr(getattr(self.train_loop, 'dataloader', None), 'dataset', None)
+        return plain(getattr(dataset, 'metainfo', None))
+
+    def _layout(self) -> Layout:
+        return Layout(self.world_size, self.engine_specs.zero_stage)
 
     @override
     def load_checkpoint(self, filename: str, map_location: Any = 'cpu', strict: bool = False,
@@ -89,19 +106,18 @@ class CheckpointMethods(Runner):
         Returns:
             dict: ``{'meta': ..., 'state_dict': ...}``.
         """
-        engine = next(iter(self.engines.values()), None)
-        if engine is not None and engine.client_optimizer is not None:
+        if self.engine_specs.training:
             raise RuntimeError(
                 f'load_checkpoint({filename!r}) after the training engine was built would not '
                 'reach its fp32 master weights; set load_from (or resume) before train().')
+        built = self.engine_specs.built
         model = self.bare_model
-        with gathered(model, modify=True) if engine is not None else nullcontext():
-            checkpoint = ckpt_io.load_weights_into(
+        with gathered(model, modify=True) if built else nullcontext():
+            checkpoint = load_weights_into(
                 model, filename, strict=strict, revise_keys=list(revise_keys),
-                allow_unsafe=self.allow_unsafe_checkpoints, logger=self.logger,
-                bare=engine is None)
+                allow_unsafe=self.checkpointer.allow_unsafe, logger=self.logger, bare=not built)
         self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
-        self._has_loaded = True
+        self.checkpointer.weights_loaded = True
         return checkpoint
 
     @override
@@ -126,22 +142,25 @@ class CheckpointMethods(Runner):
                     'DeepSpeedRunner saves checkpoints to a local (or mounted) directory: '
                     f'remove {key}, or copy the checkpoint directory to remote storage after '
                     'the save.')
-        weights_only = not (save_optimizer and self.has_training_engines())
+        weights_only = not (save_optimizer and self.engine_specs.training)
         if save_optimizer and weights_only:
             self.logger.info(f'No optimizer exists yet (train() builds it): {filename} holds '
                              'the weights and no optimizer state.')
         # The loop position MMEngine records (a runner without training has none).
         epoch, iteration = (self.epoch, self.iter) if self.train_loop is not None else (0, 0)
         meta = dict(meta or {})
-        if by_epoch:
-            meta.setdefault('epoch', epoch + 1)
-            meta.setdefault('iter', iteration)
-        else:
-            meta.setdefault('epoch', epoch)
-            meta.setdefault('iter', iteration + 1)
+        meta.setdefault('epoch', epoch + 1 if by_epoch else epoch)
+        meta.setdefault('iter', iteration if by_epoch else iteration + 1)
+        facts = run_facts(self.engine_specs, seed=self.seed, world_size=self.world_size,
+                          experiment_name=self.experiment_name)
         path = osp.join(out_dir, filename)
         try:
-            ckpt_io.save(self, path, meta, save_param_scheduler, weights_only)
+            meta = dict(meta, **facts, cfg=self.cfg.pretty_text, dataset_meta=self._dataset_meta())
+            self.checkpointer.save(
+                path, specs=self.engine_specs, model=self.bare_model,
+                facts=dict(facts, epoch=meta['epoch'], iter=meta['iter']),
+                parts=self.checkpoint_parts(meta, save_param_scheduler),
+                call_hook=self.call_hook, weights_only=weights_only)
         except Exception as e:  # any failure: one message that says what to do
             message = save_failure(path, e, self.work_dir)
             if self.rank == 0:
@@ -161,59 +180,40 @@ class CheckpointMethods(Runner):
         are accepted for MMEngine compatibility; DeepSpeed places the state
         itself.
         """
-        if not self.has_training_engines():
+        if not self.engine_specs.training:
             # DeepSpeed restores optimizer partitions only into the engine
             # train() builds (its ZeRO stage, its optimizer); an evaluation
             # engine would refuse a ZeRO-1/2 checkpoint. The weights are
             # loaded now, for val()/test(); the rest waits for train().
-            self._resume, self._resume_target = True, (filename,)
-            self._pending_resume = filename
+            self.checkpointer.request_resume(filename)
             self.load_checkpoint(filename)
             self.logger.info(f'Weights loaded from {filename}; its optimizer state, schedulers '
                              'and loop position are restored when train() builds the engines.')
             return
-        client = ckpt_io.resume(self, filename, self.allow_unsafe_checkpoints)
+        client = self.checkpointer.restore(
+            filename, specs=self.engine_specs, model=self.bare_model,
+            world_size=self.world_size, rank=self.rank, parts=self.checkpoint_parts(),
+            call_hook=self.call_hook)
         resumed_seed = client['meta'].get('seed')
         if resumed_seed is not None and resumed_seed != self._randomness_cfg.get('seed'):
             self.logger.warning(f'Resumed seed {resumed_seed} differs from the config seed '
                                 f'{self._randomness_cfg.get("seed")}; the checkpoint\'s is kept.')
-        self._has_loaded = True
         self.logger.info(f'Resumed from {filename}: epoch {self.epoch}, iter {self.iter}')
-
-    def _resume_path(self) -> Optional[str]:
-        """The checkpoint ``resume=True`` resumes from (found once, then cached)."""
-        if not self._resume:
-            return None
-        if self._resume_target is None:
-            path = self._load_from
-            if path is None:
-                path, skipped = find_latest_complete(self.work_dir)
-                for incomplete in skipped:
-                    self.logger.warning(f'Skipping incomplete checkpoint {incomplete} '
-                                        '(its save did not finish).')
-            self._resume_target = (path,)
-        return self._resume_target[0]
 
     @override
     def load_or_resume(self) -> None:
-        """Resume (latest complete checkpoint, or ``load_from``) or load weights.
+        """Carry out the resume plan (``checkpoint/plan.py``), resolved on first use.
 
-        Incomplete checkpoint directories (a save that was killed) are
-        skipped with a warning.
+        ``load_from`` weights went into the bare model before the engines;
+        a resume restores everything into the training engines, or, before
+        them (``val()``/``test()``), loads its weights. Incomplete checkpoint
+        directories (a save that was killed) are skipped with a warning.
         """
-        pending = self._pending_resume
-        if pending is not None and self.has_training_engines():
-            self._pending_resume = None
-            self.resume(pending)
+        plan = self.checkpointer.plan(self._layout())
+        if not plan.resumes or self.checkpointer.restored:
             return
-        if self._has_loaded:
-            return
-        if self._resume:
-            path = self._resume_path()
-            if path is not None:
-                self.resume(path)
-            else:
-                self.logger.info(f'resume=True but no complete checkpoint in {self.work_dir}; '
-                                 'starting from scratch.')
-        # load_from without resume was applied to the bare model in _build_engine.
-        self._has_loaded = True
+        assert plan.path is not None
+        if self.engine_specs.training:
+            self.resume(plan.path)
+        elif not self.checkpointer.weights_loaded:
+            self.resume(plan.path)  # the weights now, the rest when train() builds the engines

@@ -32,18 +32,18 @@ from .layout import (
     MARKER_FILE,
     META_FILE,
     RANK_FILE,
+    STATE_DICT_KEY,
     WEIGHTS_FILE,
     engine_tag,
     find_latest_complete,
     write_text_atomic,
 )
-from .state import rank_state
 from .weights import full_state_dict
 
 
 def save_checkpoint_dir(path: str, engines: Mapping[str, DeepSpeedEngine], model: nn.Module,
-                        client_state: dict[str, Any], meta: dict[str, Any],
-                        weights_only: bool = False) -> None:
+                        client_state: dict[str, Any], rank_state: dict[str, Any],
+                        meta: dict[str, Any], weights_only: bool = False) -> None:
     """Save every engine and our state into directory ``path`` (collective).
 
     Args:
@@ -51,8 +51,10 @@ def save_checkpoint_dir(path: str, engines: Mapping[str, DeepSpeedEngine], model
             (``save_last`` after an interval save) is replaced.
         engines (Mapping[str, DeepSpeedEngine]): The engines, by name; each
             saves into its own tag (see :func:`layout.engine_tag`).
-        model (nn.Module): The user's whole model (per-rank buffers).
+        model (nn.Module): The user's whole model (weights-only: its
+            consolidated weights).
         client_state (dict): Meta, message hub, schedulers, hooks' state.
+        rank_state (dict): This rank's own state (RNG, buffers).
         meta (dict): JSON-serialisable facts about the run, with ``engines``
             (``{name: submodule path}``) for a model with several engines.
         weights_only (bool): Write the consolidated weights
@@ -72,7 +74,7 @@ def save_checkpoint_dir(path: str, engines: Mapping[str, DeepSpeedEngine], model
     if weights_only:
         state = full_state_dict(model)
         if rank == 0:
-            torch.save({'state_dict': state}, osp.join(path, WEIGHTS_FILE))
+            torch.save({STATE_DICT_KEY: state}, osp.join(path, WEIGHTS_FILE))
         del state
         shards = [WEIGHTS_FILE]
     else:
@@ -82,7 +84,7 @@ def save_checkpoint_dir(path: str, engines: Mapping[str, DeepSpeedEngine], model
             engine.save_checkpoint(path, tag=engine_tag(name), save_latest=False, client_state={
                 UNIVERSAL_CHECKPOINT_INFO: {
                     UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}})
-    torch.save(rank_state(model), osp.join(path, RANK_FILE.format(rank=rank)))
+    torch.save(rank_state, osp.join(path, RANK_FILE.format(rank=rank)))
     if rank == 0:
         torch.save(client_state, osp.join(path, CLIENT_FILE))
     dist.barrier()

@@ -35,7 +35,7 @@ PLAIN_WRAPPERS = ('OptimWrapper', 'DeepSpeedOptimWrapper')
 
 
 @dataclass(frozen=True)
-class MMEngineSide:
+class MMEngineSettings:
     """The parts of an MMEngine config that overlap with a ds_config.
 
     Args:
@@ -127,7 +127,7 @@ def precision(ds_config: Mapping[str, Any]) -> str:
 
 def resolve_ds_config(
     source: DsConfigSource,
-    side: MMEngineSide,
+    side: MMEngineSettings,
     *,
     world_size: Optional[int],
     cuda_available: bool,
@@ -142,7 +142,7 @@ def resolve_ds_config(
 
     Args:
         source (str | Mapping | None): See :func:`load_ds_config`.
-        side (MMEngineSide): What the MMEngine config says.
+        side (MMEngineSettings): What the MMEngine config says.
         world_size (int, optional): Data-parallel world size, or None if
             not known yet.
         cuda_available (bool): Whether this process can use CUDA.
@@ -178,7 +178,7 @@ def bf16_request(source: DsConfigSource, config_dir: Optional[str] = None) -> An
     return get_value(ds, 'bfloat16.enabled') if value is None else value
 
 
-def _check_optim_wrapper(side: MMEngineSide) -> None:
+def _check_optim_wrapper(side: MMEngineSettings) -> None:
     wrapper_type = side.optim_wrapper_type
     if wrapper_type in AMP_WRAPPERS:
         raise DsConfigError(
@@ -213,7 +213,7 @@ def _check_optim_wrapper(side: MMEngineSide) -> None:
             f'optim_wrapper.clip_grad.max_norm must be a positive number, got {max_norm!r}.')
 
 
-def _check_ownership(ds: Mapping[str, Any], side: MMEngineSide) -> None:
+def _check_ownership(ds: Mapping[str, Any], side: MMEngineSettings) -> None:
     if 'optimizer' in ds and side.has_optim_wrapper:
         raise DsConfigError(
             'ds_config.optimizer conflicts with optim_wrapper.optimizer: MMEngine builds the '
@@ -225,7 +225,7 @@ def _check_ownership(ds: Mapping[str, Any], side: MMEngineSide) -> None:
             'learning rate. Remove "scheduler" from ds_config.')
 
 
-def _fill_batch(ds: dict, side: MMEngineSide, world_size: Optional[int]) -> None:
+def _fill_batch(ds: dict, side: MMEngineSettings, world_size: Optional[int]) -> None:
     micro = _reconcile(ds, 'train_micro_batch_size_per_gpu', side.batch_size,
                        'train_dataloader.batch_size', default=1)
     accum = _reconcile(ds, 'gradient_accumulation_steps', side.accumulative_counts,
@@ -255,7 +255,7 @@ def _reconcile(ds: dict, key: str, mm_value: Optional[int], mm_key: str, default
     return int(value)
 
 
-def _fill_clipping(ds: dict, side: MMEngineSide) -> None:
+def _fill_clipping(ds: dict, side: MMEngineSettings) -> None:
     max_norm = None if side.clip_grad is None else float(side.clip_grad['max_norm'])
     value = ds.get('gradient_clipping', AUTO)
     if value == AUTO:

@@ -17,7 +17,7 @@ MMEngine's plain Runner at every stage.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
 import deepspeed
@@ -25,19 +25,24 @@ import torch
 from deepspeed import DeepSpeedEngine
 from deepspeed.accelerator import get_accelerator
 from mmengine.model import convert_sync_batchnorm, is_model_wrapper, revert_sync_batchnorm
-from mmengine.optim import OptimWrapper, OptimWrapperDict
+from mmengine.optim import OptimWrapperDict
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from ..checkpoint.layout import SINGLE_ENGINE
-from ..compat import accumulative_counts
 from ..config.model_settings import fit_to_model
-from ..config.resolve import MMEngineSide, zero_stage
+from ..config.resolve import zero_stage
+from ..dist import cuda_available
+from ..hooks.monitor import banner, precision_note
+from ..zero.unused_params import zero3_unsupported
 from ..zero.zero_dim import engine_config, initializable
+from .offload import cpu_optimizer
 from .optim_wrapper import DeepSpeedOptimWrapper
+from .spec import SINGLE_ENGINE, EngineSpecs
 from .wrapper import DeepSpeedEngineWrapper, cast_floating
+
+# The dtype floating inputs are cast to, by precision.
+CAST_DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': None}
 
 # torch optimizers that update each element from its own gradient and state
 # only, and therefore behave the same on ZeRO's flattened partitions. DeepSpeed
@@ -48,103 +53,6 @@ ELEMENTWISE_OPTIMIZERS = (
     torch.optim.Adadelta, torch.optim.Adamax, torch.optim.RMSprop, torch.optim.NAdam,
     torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop,
 )
-
-# Keys of a several-optimizer ``optim_wrapper`` config that are not optimizer names.
-WRAPPER_DICT_OPTIONS = ('constructor', 'paramwise_cfg')
-
-
-def _batch_size(dataloader: Any) -> Optional[int]:
-    if isinstance(dataloader, DataLoader):
-        return dataloader.batch_size
-    if isinstance(dataloader, dict):
-        return dataloader.get('batch_size')
-    return None
-
-
-def is_several(optim_wrapper: Any) -> bool:
-    """Whether ``optim_wrapper`` (object or config) defines several optimizers."""
-    if isinstance(optim_wrapper, OptimWrapperDict):
-        return True
-    if not isinstance(optim_wrapper, dict) or 'optimizer' in optim_wrapper:
-        return False
-    named = [v for k, v in optim_wrapper.items() if k not in WRAPPER_DICT_OPTIONS]
-    return bool(named) and all(isinstance(v, (dict, OptimWrapper)) for v in named)
-
-
-def mmengine_sides(train_dataloader: Any, optim_wrapper: Any,
-                   param_scheduler: Any) -> dict[str, MMEngineSide]:
-    """What the MMEngine config says about batch, accumulation and clipping, per engine.
-
-    Args:
-        train_dataloader (DataLoader | dict | None): Runner argument.
-        optim_wrapper (OptimWrapper | OptimWrapperDict | dict | None):
-            Runner argument; several optimizers give one entry each.
-        param_scheduler (Any): Runner argument.
-
-    Returns:
-        dict[str, MMEngineSide]: By engine name (``'model'`` for one).
-    """
-    batch_size = _batch_size(train_dataloader)
-    has_scheduler = param_scheduler is not None
-
-    def side(wrapper: Any) -> MMEngineSide:
-        if isinstance(wrapper, OptimWrapper):
-            clip = wrapper.clip_grad_kwargs
-            if clip and getattr(wrapper, 'grad_name', 'grad_norm') == 'grad_value':
-                clip = dict(clip, type='value')
-            return MMEngineSide(batch_size=batch_size,
-                                accumulative_counts=accumulative_counts(wrapper),
-                                clip_grad=clip or None,
-                                optim_wrapper_type=type(wrapper).__name__,
-                                has_optim_wrapper=True, has_param_scheduler=has_scheduler)
-        cfg = wrapper or {}
-        return MMEngineSide(batch_size=batch_size,
-                            accumulative_counts=cfg.get('accumulative_counts'),
-                            clip_grad=cfg.get('clip_grad'), optim_wrapper_type=cfg.get('type'),
-                            has_optim_wrapper=wrapper is not None,
-                            has_param_scheduler=has_scheduler)
-
-    if isinstance(optim_wrapper, dict) and not is_several(optim_wrapper) and optim_wrapper \
-            and 'optimizer' not in optim_wrapper and 'constructor' not in optim_wrapper:
-        raise ValueError(
-            f'optim_wrapper={dict(optim_wrapper)} has no "optimizer" key: MMEngine expects the '
-            'optimizer inside it, e.g. optim_wrapper=dict(optimizer=dict(type=\'SGD\', lr=0.2)). '
-            'For several optimizers give one such dict per submodule, e.g. '
-            "optim_wrapper=dict(constructor='SubmoduleOptimWrapperConstructor', "
-            'generator=dict(optimizer=...), discriminator=dict(optimizer=...)).')
-    if not is_several(optim_wrapper):
-        return {SINGLE_ENGINE: side(optim_wrapper)}
-    items = (optim_wrapper.optim_wrappers.items() if isinstance(optim_wrapper, OptimWrapperDict)
-             else [(k, v) for k, v in optim_wrapper.items() if k not in WRAPPER_DICT_OPTIONS])
-    configs = [k for k, v in items if isinstance(v, dict)]
-    if configs and 'constructor' not in optim_wrapper:
-        raise ValueError(
-            f'optim_wrapper defines several optimizers ({", ".join(configs)}) as configs without '
-            "a constructor; add constructor='SubmoduleOptimWrapperConstructor' (one optimizer "
-            'per submodule named by each key), or pass built OptimWrapper objects.')
-    return {name: side(wrapper) for name, wrapper in items}
-
-
-def as_plain_wrappers(optim_wrapper: Any) -> Any:
-    """``optim_wrapper`` config with each wrapper built as MMEngine's ``OptimWrapper``.
-
-    ``DeepSpeedOptimWrapper`` needs its engine, which exists only after the
-    optimizer is built; the runner wraps the built optimizers afterwards.
-    """
-    if not isinstance(optim_wrapper, dict):
-        return optim_wrapper
-    if not is_several(optim_wrapper):
-        return dict(optim_wrapper, type='OptimWrapper')
-    return {k: dict(v, type='OptimWrapper') if k not in WRAPPER_DICT_OPTIONS else v
-            for k, v in optim_wrapper.items()}
-
-
-def named_optimizers(built: Any) -> dict[str, Optimizer]:
-    """The optimizers MMEngine built, by engine name."""
-    if isinstance(built, OptimWrapperDict):
-        return {name: wrapper.optimizer for name, wrapper in built.optim_wrappers.items()}
-    return {SINGLE_ENGINE: built.optimizer}
-
 
 def owned_submodules(model: nn.Module,
                      optimizers: Mapping[str, Optional[Optimizer]]) -> dict[str, str]:
@@ -215,15 +123,15 @@ def _owner(model: nn.Module, key: str, ids: set[int], others: set[int],
         'submodule (its key naming it, e.g. "generator"), or merge the optimizers.')
 
 
-def evaluation_stage(configs: Mapping[str, dict]) -> str:
+def evaluation_stage(specs: EngineSpecs) -> str:
     """Use ZeRO-0 for an evaluation engine asked for ZeRO-1/2; returns the log line.
 
     ZeRO-1/2 partition optimizer states and gradients only, and DeepSpeed
     refuses them without an optimizer; the weights are the same at stage 0.
     """
-    stage = zero_stage(next(iter(configs.values())))
-    for ds_config in configs.values():
-        ds_config['zero_optimization']['stage'] = 0
+    stage = specs.zero_stage
+    for spec in specs:
+        spec.ds_config['zero_optimization']['stage'] = 0
     return (f'No optimizer (val/test only): ZeRO-{stage} has nothing to partition, using '
             'ZeRO-0 for this engine.')
 
@@ -264,49 +172,85 @@ def cast_inputs(module: nn.Module, dtype: torch.dtype) -> RemovableHandle:
 
 
 
-def build_engines(model: nn.Module, optimizers: Mapping[str, Optional[Optimizer]],
-                  configs: Mapping[str, dict], cast_dtype: Optional[torch.dtype]
-                  ) -> tuple[dict[str, DeepSpeedEngine], dict[str, str], DeepSpeedEngineWrapper]:
-    """One engine per optimizer, and the model wrapper MMEngine's loops drive.
+def build_engines(specs: EngineSpecs, model: nn.Module,
+                  optimizers: Mapping[str, Optional[Optimizer]], *, world_size: int,
+                  find_unused_parameters: bool, logger: Any,
+                  before_partitioning: Callable[[EngineSpecs], None]
+                  ) -> tuple[DeepSpeedEngineWrapper, bool]:
+    """Everything between MMEngine's optimizers and the model wrapper its loops drive.
+
+    In this order: each engine's ds_config for this world size; ZeRO-3's
+    refusal of ``find_unused_parameters``; ZeRO-0 for an evaluation engine
+    asked for ZeRO-1/2; DeepSpeed's CPU Adam where ZeRO offloads the
+    optimizer; the submodule each optimizer owns; ``before_partitioning``;
+    ``deepspeed.initialize`` per engine; the banner and the precision note.
 
     Args:
+        specs (EngineSpecs): The runner's engines, completed in place.
         model (nn.Module): The user's (bare) model.
-        optimizers (Mapping[str, Optimizer | None]): By engine name;
-            ``{'model': None}`` builds an evaluation engine.
-        configs (Mapping[str, dict]): Each engine's resolved ds_config.
-        cast_dtype (torch.dtype, optional): Compute dtype floating inputs
-            are cast to (bf16/fp16), or None.
+        optimizers (Mapping[str, Optimizer | None]): MMEngine's optimizers
+            by engine name; ``{'model': None}`` builds an evaluation engine.
+        world_size (int): The number of ranks.
+        find_unused_parameters (bool): ``model_wrapper_cfg``'s option.
+        logger (Any): The runner's logger.
+        before_partitioning (Callable[[EngineSpecs], None]): The runner's
+            steps that need the model whole (``load_from``, the EMA template,
+            a universal checkpoint's conversion).
 
     Returns:
-        tuple: The engines by name, their submodule paths, and the wrapper.
+        tuple: The model wrapper, and ``find_unused_parameters`` as it
+        stands (off for ZeRO-3 training, which cannot honour it).
     """
-    modules = owned_submodules(model, optimizers)
-    if len(modules) > 1:
+    training = any(optimizer is not None for optimizer in optimizers.values())
+    if not training:
+        specs.for_evaluation()
+    specs.resolve(world_size)
+    unsupported = zero3_unsupported(specs.zero_stage)
+    if find_unused_parameters and training and unsupported is not None:
+        logger.warning(unsupported)
+        find_unused_parameters = False
+    if not training and specs.zero_stage in (1, 2):
+        logger.info(evaluation_stage(specs))
+    for spec in specs:
+        spec.optimizer = optimizers.get(spec.name)
+        if spec.optimizer is not None:
+            spec.optimizer, note = cpu_optimizer(spec.optimizer, spec.ds_config)
+            if note is not None:
+                logger.info(note)
+    for name, path in owned_submodules(model, {s.name: s.optimizer for s in specs}).items():
+        specs[name].path = path
+    before_partitioning(specs)
+    several = len(specs) > 1
+    if several:
         # Parameters in no optimizer (an EMA copy, frozen parts) join the
         # engines' device; each engine moves its own submodule.
         model.to(get_accelerator().current_device_name())
-    engines = {name: build_engine(model.get_submodule(path), optimizers[name], configs[name])
-               for name, path in modules.items()}
-    first = next(iter(engines.values()))
-    if len(engines) == 1:
-        return engines, modules, DeepSpeedEngineWrapper(first, cast_dtype)
-    if cast_dtype is not None:
-        for engine in engines.values():
-            cast_inputs(engine.module, cast_dtype)
-    return engines, modules, DeepSpeedEngineWrapper(first, cast_dtype, model=model,
-                                                    engines=engines)
+    for spec in specs:
+        spec.engine = build_engine(model.get_submodule(spec.path), spec.optimizer,
+                                   spec.ds_config)
+        logger.info(banner(spec.ds_config, world_size, spec.engine.module, training,
+                           name=spec.name if several else None))
+    cast_dtype = CAST_DTYPES[specs.precision]
+    if several and cast_dtype is not None:
+        for spec in specs:
+            cast_inputs(spec.engine.module, cast_dtype)  # type: ignore[union-attr]
+    if several:
+        logger.info('One DeepSpeed engine per optimizer: ' + ', '.join(
+            f'{name} -> model.{path}' for name, path in specs.modules().items()))
+    note = precision_note(specs.bf16_requested(), specs.precision, cuda_available())
+    if note is not None:
+        logger.warning(note)
+    return (DeepSpeedEngineWrapper(specs.engines(), cast_dtype, model=model if several else None),
+            find_unused_parameters)
 
 
-def wrap_optimizers(engines: Mapping[str, DeepSpeedEngine], optimizers: Mapping[str, Optimizer],
-                    configs: Mapping[str, dict], find_unused_parameters: bool,
+def wrap_optimizers(specs: EngineSpecs, find_unused_parameters: bool,
                     own_train_step: bool) -> Union[DeepSpeedOptimWrapper, OptimWrapperDict]:
     """The optim wrapper(s) the train loop steps with: one per engine.
 
     Args:
-        engines (Mapping[str, DeepSpeedEngine]): From :func:`build_engines`.
-        optimizers (Mapping[str, Optimizer]): The optimizers they own.
-        configs (Mapping[str, dict]): Each engine's resolved ds_config
-            (accumulation and clipping per optimizer).
+        specs (EngineSpecs): Built by :func:`build_engines` with optimizers
+            (accumulation and clipping from each engine's ds_config).
         find_unused_parameters (bool): See :class:`DeepSpeedOptimWrapper`.
         own_train_step (bool): The model overrides ``train_step`` (its
             losses do not come from ``engine.forward``).
@@ -316,14 +260,14 @@ def wrap_optimizers(engines: Mapping[str, DeepSpeedEngine], optimizers: Mapping[
         optimizer by name.
     """
     wrappers = {
-        name: DeepSpeedOptimWrapper(
-            engines[name], optimizer,
-            accumulative_counts=configs[name]['gradient_accumulation_steps'],
-            clip_max_norm=float(configs[name]['gradient_clipping']),
+        spec.name: DeepSpeedOptimWrapper(
+            spec.engine, spec.optimizer,
+            accumulative_counts=spec.ds_config['gradient_accumulation_steps'],
+            clip_max_norm=float(spec.ds_config['gradient_clipping']),
             find_unused_parameters=find_unused_parameters,
-            name=None if name == SINGLE_ENGINE else name,
-            forward_through_engine=len(engines) == 1 and not own_train_step)
-        for name, optimizer in optimizers.items()}
+            name=None if spec.name == SINGLE_ENGINE else spec.name,
+            forward_through_engine=len(specs) == 1 and not own_train_step)
+        for spec in specs if spec.optimizer is not None}
     if SINGLE_ENGINE in wrappers:
         return wrappers[SINGLE_ENGINE]
     return OptimWrapperDict(**wrappers)

@@ -64,30 +64,31 @@ class DeepSpeedEngineWrapper(nn.Module):
     """Wraps the DeepSpeed engine(s) so MMEngine's loops and hooks can drive them.
 
     Args:
-        engine (DeepSpeedEngine): The engine built around the user's model.
+        engines (Mapping[str, DeepSpeedEngine]): Every engine by name: one
+            around the whole model, or (with ``model``) one per optimizer
+            around its submodule.
         cast_dtype (torch.dtype, optional): Dtype floating inputs are cast to
             before the forward pass (bf16/fp16 training); None keeps them.
             Defaults to None.
         model (nn.Module, optional): For a model with several optimizers, the
-            whole model, of which each engine (``engines``) holds one
-            submodule; its own ``train_step`` calls them. None: ``engine``
-            holds the whole model. Defaults to None.
-        engines (Mapping[str, DeepSpeedEngine], optional): With ``model``,
-            every engine by name. Defaults to None.
+            whole model, whose own ``train_step`` calls its submodules. None:
+            the one engine holds the whole model and the steps forward
+            through it. Defaults to None.
     """
 
-    def __init__(self, engine: DeepSpeedEngine, cast_dtype: Optional[torch.dtype] = None,
-                 model: Optional[nn.Module] = None,
-                 engines: Optional[Mapping[str, DeepSpeedEngine]] = None):
+    def __init__(self, engines: Mapping[str, DeepSpeedEngine],
+                 cast_dtype: Optional[torch.dtype] = None, model: Optional[nn.Module] = None):
         super().__init__()
-        self.engine = engine
-        self.engines = dict(engines or {'model': engine})
+        self.engines = dict(engines)
         self.cast_dtype = cast_dtype
+        if model is None:
+            (self.engine,) = self.engines.values()  # a submodule: parameters() reach the model
         # Not a submodule: the engines own the parameters (and ZeRO-3 hooks).
         self.__dict__['_whole_model'] = model
         preprocessor = getattr(self.module, 'data_preprocessor', None)
-        if isinstance(preprocessor, BaseDataPreprocessor) and preprocessor.device != engine.device:
-            preprocessor.to(engine.device)
+        device = {engine.device for engine in self.engines.values()}.pop()
+        if isinstance(preprocessor, BaseDataPreprocessor) and preprocessor.device != device:
+            preprocessor.to(device)
 
     @property
     def module(self) -> nn.Module:
@@ -177,7 +178,7 @@ class DeepSpeedEngineWrapper(nn.Module):
         if self.cast_dtype is not None:
             batch = cast_floating(batch, self.cast_dtype)
         # Several engines: the submodules are called (and cast) by the model.
-        forward = self.engine if len(self.engines) == 1 else self.module
+        forward = self._forward_target()
         if isinstance(batch, Mapping):
             return forward(**batch, mode=mode)
         if isinstance(batch, (list, tuple)):
@@ -193,4 +194,8 @@ class DeepSpeedEngineWrapper(nn.Module):
         """
         if self.cast_dtype is not None:
             args, kwargs = cast_floating((args, kwargs), self.cast_dtype)
-        return (self.engine if len(self.engines) == 1 else self.module)(*args, **kwargs)
+        return self._forward_target()(*args, **kwargs)
+
+    def _forward_target(self) -> nn.Module:
+        """The engine around the whole model, else the model (which calls its engines)."""
+        return self.engine if self.__dict__['_whole_model'] is None else self.module

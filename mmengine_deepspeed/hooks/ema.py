@@ -30,7 +30,7 @@ from mmengine.registry import HOOKS, MODELS
 from torch import nn
 from typing_extensions import override
 
-from ..compat import resume_requested
+from ..checkpoint.layout import EMA_KEY
 from ..zero.gather import gathered, whole_copy
 
 
@@ -132,15 +132,15 @@ class DeepSpeedEMAHook(EMAHook):
     @override
     def before_save_checkpoint(self, runner: Any, checkpoint: dict) -> None:
         """Save the averaged model (full fp32 weights, ``module.``-prefixed keys)."""
-        checkpoint['ema_state_dict'] = self.ema_model.state_dict()
+        checkpoint[EMA_KEY] = self.ema_model.state_dict()
 
     @override
     def after_load_checkpoint(self, runner: Any, checkpoint: dict) -> None:
         """Resume the averaged model; ``load_from`` weights are in the template already."""
-        if not resume_requested(runner):
+        if not runner.checkpointer.resuming:
             return
-        if 'ema_state_dict' in checkpoint:
-            self.ema_model.load_state_dict(checkpoint['ema_state_dict'], strict=self.strict_load)
+        if EMA_KEY in checkpoint:
+            self.ema_model.load_state_dict(checkpoint[EMA_KEY], strict=self.strict_load)
             return
         runner.logger.warning('The checkpoint has no ema_state_dict; EMAHook starts from the '
                               'resumed weights.')

@@ -44,15 +44,16 @@ def parameter_counts(module: torch.nn.Module) -> tuple[int, int]:
 
 
 def banner(ds_config: dict, world_size: int, module: torch.nn.Module,
-           has_optimizer: bool) -> str:
-    """The one-paragraph summary of how this run is distributed."""
+           has_optimizer: bool, name: Optional[str] = None) -> str:
+    """The one-paragraph summary of how an engine is distributed (``name``: one of several)."""
     micro = ds_config['train_micro_batch_size_per_gpu']
     accum = ds_config['gradient_accumulation_steps']
     offload = {part: get_value(ds_config, f'zero_optimization.offload_{part}.device', 'none')
                for part in ('optimizer', 'param')}
     total, held = parameter_counts(module)
     backend = dist.get_backend() if dist.is_initialized() else 'none'
-    return (f'DeepSpeed engine ready: ZeRO-{zero_stage(ds_config)}, {precision(ds_config)}, '
+    engine = 'DeepSpeed engine' if name is None else f'DeepSpeed engine {name!r}'
+    return (f'{engine} ready: ZeRO-{zero_stage(ds_config)}, {precision(ds_config)}, '
             f'world size {world_size}, backend {backend}, offload optimizer={offload["optimizer"]} '
             f'param={offload["param"]}, micro batch {micro}, accumulation {accum}, effective '
             f'batch {micro * accum * world_size}, parameters {total:,} ({held:,} on this rank), '
@@ -124,7 +125,8 @@ class ThroughputHook(Hook):
         hub = runner.message_hub
         if self._last is not None:
             elapsed = max(now - self._last, 1e-9)
-            samples = runner.ds_config['train_micro_batch_size_per_gpu'] * runner.world_size
+            micro = runner.engine_specs.shared('train_micro_batch_size_per_gpu')
+            samples = micro * runner.world_size
             hub.update_scalar('train/samples_per_s', samples / elapsed)
             tokens = getattr(runner.model.module, 'tokens_per_sample', None)
             if tokens:

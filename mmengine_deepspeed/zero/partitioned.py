@@ -39,7 +39,6 @@ from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
 from ..compat import full_numel, full_shape, is_zero3_param, set_full_shape
-from ..config.resolve import zero_stage
 from .zero_dim import SCALAR_SHAPE, broadcastable
 
 
@@ -214,12 +213,12 @@ def gather_on_use(model: nn.Module) -> AbstractContextManager:
     return GatherOnUse(model) if is_partitioned(model) else nullcontext()
 
 
-def build_advice(model: Any, ds_config: dict, zero_init: bool, engines: int) -> Optional[str]:
+def build_advice(model: Any, stage: int, zero_init: bool, engines: int) -> Optional[str]:
     """Why a ZeRO-3 model is built whole on every rank, with what to do instead.
 
     Args:
         model (nn.Module | dict): The runner's ``model`` argument.
-        ds_config (dict): The resolved ds_config.
+        stage (int): The ZeRO stage.
         zero_init (bool): The runner's ``zero_init`` switch.
         engines (int): How many engines (optimizers) the model gets.
 
@@ -227,7 +226,7 @@ def build_advice(model: Any, ds_config: dict, zero_init: bool, engines: int) -> 
         str | None: The line to log, or None when the model is built
         partitioned (or ZeRO-3 is not used, or the user turned it off).
     """
-    if not zero_init or zero_stage(ds_config) != 3:
+    if not zero_init or stage != 3:
         return None
     if isinstance(model, nn.Module):
         return ('The model was passed built, so every rank held it whole before ZeRO-3 '

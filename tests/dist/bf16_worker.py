@@ -14,7 +14,6 @@ import mmengine_deepspeed.dist
 import mmengine_deepspeed.hooks.monitor
 import mmengine_deepspeed.runner
 from mmengine_deepspeed import DeepSpeedRunner
-from mmengine_deepspeed.config.resolve import precision
 from tests.helpers import toy_config
 
 
@@ -31,7 +30,7 @@ def main() -> None:
     runner = DeepSpeedRunner.from_cfg(Config(cfg))
     runner.train()
     dtype = next(runner.model.module.parameters()).dtype
-    print(f'PRECISION {precision(runner.ds_config)} {str(dtype).replace("torch.", "")}',
+    print(f'PRECISION {runner.engine_specs.precision} {str(dtype).replace("torch.", "")}',
           flush=True)
     assert dtype == torch.float32
 

@@ -34,7 +34,7 @@ def main() -> None:
     runner = RUNNERS.build(Config(dict(cfg, runner_type='DeepSpeedRunner')))
     runner.train()
     ours = largest_storage_elements()
-    bucket = runner.ds_config['zero_optimization']['reduce_bucket_size']
+    bucket = runner.engine_specs.shared('zero_optimization.reduce_bucket_size')
     trainable = sum(p.ds_numel for p in runner.model.module.parameters() if p.requires_grad)
     model = ToyModel(with_bn=False)
     deepspeed.initialize(

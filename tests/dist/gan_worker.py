@@ -64,7 +64,8 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     result['val_modes'] = list(getattr(module, 'val_modes', []))
     engines = getattr(runner, 'engines', {})
     result.update(engines={n: type(e.module).__name__ for n, e in engines.items()},
-                  engine_modules=dict(getattr(runner, 'engine_modules', {})),
+                  engine_modules=(runner.engine_specs.modules() if hasattr(runner, 'engine_specs')
+                                  else {}),
                   stages={n: e.zero_optimization_stage() for n, e in engines.items()},
                   steps={n: e.global_steps for n, e in engines.items()},
                   dtypes={n: str(next(e.module.parameters()).dtype) for n, e in engines.items()})

@@ -163,6 +163,7 @@ def run(out_dir: str, scenario: dict) -> None:
         hub = runner.message_hub
         result.update(
             losses=rec.losses, lrs=rec.lrs, metrics=rec.metrics,
+            compiled_graphs=rec.compiled_graphs,
             group_lrs=[float(lr) for lr in runner.optim_wrapper.get_lr()['lr']],
             scalars=sorted(hub.log_scalars),
             grad_norm=float(hub.get_scalar('train/grad_norm').current())
@@ -186,6 +187,7 @@ def run(out_dir: str, scenario: dict) -> None:
         state=state, world_size=runner.world_size, stage=engine.zero_optimization_stage(),
         param_dtype=str(next(module.parameters()).dtype), global_steps=engine.global_steps,
         has_optimizer=engine.client_optimizer is not None, ema=ema_state(runner),
+        compiled=engine.is_compiled,
         engine_optimizer=type(engine.optimizer).__name__, backend=torch.distributed.get_backend(),
         wrapper=type(runner.model).__name__, module=type(module).__name__)
     torch.save(result, osp.join(out_dir, f'{name}.rank{runner.rank}.pt'))

@@ -14,7 +14,6 @@ from mmengine.config import Config
 from mmengine.logging import MessageHub
 from mmengine.runner import Runner
 
-from mmengine_deepspeed.checkpoint.io import load_weights_into, read_weights
 from mmengine_deepspeed.checkpoint.layout import (
     CLIENT_FILE,
     DS_TAG,
@@ -27,6 +26,7 @@ from mmengine_deepspeed.checkpoint.layout import (
     check_checkpoint,
     find_latest_complete,
 )
+from mmengine_deepspeed.checkpoint.load_weights import load_weights_into, read_weights
 from mmengine_deepspeed.checkpoint.reshard import Layout, check_reshardable, needs_universal
 from mmengine_deepspeed.checkpoint.safe_load import check_pickles, safe_load
 from mmengine_deepspeed.checkpoint.state import (
@@ -41,14 +41,16 @@ from tests.helpers import ToyModel, toy_config
 SHARD = 'mp_rank_00_model_states.pt'
 
 
-def make_checkpoint(path: str, iteration: int = 4, complete: bool = True) -> str:
-    """A structurally valid checkpoint directory (tiny files, one rank, ZeRO-0)."""
+def make_checkpoint(path: str, iteration: int = 4, complete: bool = True, world_size: int = 1,
+                    zero_stage: int = 0, optimizer_state: bool = True) -> str:
+    """A structurally valid checkpoint directory (tiny files; by default one rank, ZeRO-0)."""
     os.makedirs(osp.join(path, DS_TAG))
     torch.save({'module': {}}, osp.join(path, DS_TAG, SHARD))
     torch.save({'meta': {}}, osp.join(path, CLIENT_FILE))
-    torch.save({}, osp.join(path, RANK_FILE.format(rank=0)))
-    meta = dict(format_version=FORMAT_VERSION, shards=[osp.join(DS_TAG, SHARD)], world_size=1,
-                zero_stage=0,
+    for rank in range(world_size):
+        torch.save({}, osp.join(path, RANK_FILE.format(rank=rank)))
+    meta = dict(format_version=FORMAT_VERSION, shards=[osp.join(DS_TAG, SHARD)],
+                world_size=world_size, zero_stage=zero_stage, optimizer_state=optimizer_state,
                 precision='fp32', epoch=0, iter=iteration)
     with open(osp.join(path, META_FILE), 'w') as f:
         json.dump(meta, f)

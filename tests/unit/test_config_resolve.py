@@ -9,7 +9,7 @@ from mmengine.config import ConfigDict
 
 from mmengine_deepspeed.config.resolve import (
     DsConfigError,
-    MMEngineSide,
+    MMEngineSettings,
     get_value,
     load_ds_config,
     precision,
@@ -17,15 +17,15 @@ from mmengine_deepspeed.config.resolve import (
     zero_stage,
 )
 
-TRAINING = MMEngineSide(batch_size=4, has_optim_wrapper=True, has_param_scheduler=True)
+TRAINING = MMEngineSettings(batch_size=4, has_optim_wrapper=True, has_param_scheduler=True)
 
 
-def resolve(ds: Any, side: MMEngineSide = TRAINING, world_size: int | None = 2,
+def resolve(ds: Any, side: MMEngineSettings = TRAINING, world_size: int | None = 2,
             cuda: bool = False, **kwargs: Any) -> dict:
     return resolve_ds_config(ds, side, world_size=world_size, cuda_available=cuda, **kwargs)
 
 
-def refused(ds: Any, *fragments: str, side: MMEngineSide = TRAINING, **kwargs: Any) -> None:
+def refused(ds: Any, *fragments: str, side: MMEngineSettings = TRAINING, **kwargs: Any) -> None:
     with pytest.raises(DsConfigError) as info:
         resolve(ds, side, **kwargs)
     for fragment in fragments:
@@ -35,7 +35,7 @@ def refused(ds: Any, *fragments: str, side: MMEngineSide = TRAINING, **kwargs: A
 # --- filling "auto" and absent values from the MMEngine config -------------
 
 def test_absent_values_are_filled_from_mmengine() -> None:
-    side = MMEngineSide(batch_size=8, accumulative_counts=3, clip_grad={'max_norm': 2.0},
+    side = MMEngineSettings(batch_size=8, accumulative_counts=3, clip_grad={'max_norm': 2.0},
                         has_optim_wrapper=True)
     ds = resolve({'zero_optimization': {'stage': 2}}, side, world_size=4)
     assert ds['train_micro_batch_size_per_gpu'] == 8
@@ -45,7 +45,7 @@ def test_absent_values_are_filled_from_mmengine() -> None:
 
 
 def test_auto_values_are_filled_from_mmengine() -> None:
-    side = MMEngineSide(batch_size=2, accumulative_counts=2, clip_grad={'max_norm': 1},
+    side = MMEngineSettings(batch_size=2, accumulative_counts=2, clip_grad={'max_norm': 1},
                         has_optim_wrapper=True)
     ds = resolve({'train_micro_batch_size_per_gpu': 'auto', 'gradient_accumulation_steps': 'auto',
                   'gradient_clipping': 'auto', 'train_batch_size': 'auto'}, side, world_size=2)
@@ -67,7 +67,7 @@ def test_ds_accumulation_is_used_when_mmengine_is_silent() -> None:
 
 
 def test_matching_explicit_values_are_accepted() -> None:
-    side = MMEngineSide(batch_size=4, accumulative_counts=2, clip_grad={'max_norm': 1.0},
+    side = MMEngineSettings(batch_size=4, accumulative_counts=2, clip_grad={'max_norm': 1.0},
                         has_optim_wrapper=True)
     ds = resolve({'train_micro_batch_size_per_gpu': 4, 'gradient_accumulation_steps': 2,
                   'gradient_clipping': 1.0, 'train_batch_size': 16}, side, world_size=2)
@@ -81,7 +81,7 @@ def test_without_world_size_train_batch_size_is_left_for_later() -> None:
 
 
 def test_no_training_dataloader_defaults_micro_batch_to_one() -> None:
-    ds = resolve({}, MMEngineSide(), world_size=2)
+    ds = resolve({}, MMEngineSettings(), world_size=2)
     assert ds['train_micro_batch_size_per_gpu'] == 1
 
 
@@ -93,13 +93,13 @@ def test_micro_batch_mismatch_names_both_keys() -> None:
 
 
 def test_accumulation_mismatch_names_both_keys() -> None:
-    side = MMEngineSide(batch_size=4, accumulative_counts=2, has_optim_wrapper=True)
+    side = MMEngineSettings(batch_size=4, accumulative_counts=2, has_optim_wrapper=True)
     refused({'gradient_accumulation_steps': 4}, 'ds_config.gradient_accumulation_steps=4',
             'optim_wrapper.accumulative_counts=2', side=side)
 
 
 def test_clipping_mismatch_names_both_keys() -> None:
-    side = MMEngineSide(batch_size=4, clip_grad={'max_norm': 1.0}, has_optim_wrapper=True)
+    side = MMEngineSettings(batch_size=4, clip_grad={'max_norm': 1.0}, has_optim_wrapper=True)
     refused({'gradient_clipping': 5.0}, 'ds_config.gradient_clipping=5.0',
             'optim_wrapper.clip_grad.max_norm=1.0', side=side)
 
@@ -117,47 +117,47 @@ def test_scheduler_in_ds_config_is_refused_with_param_scheduler() -> None:
 
 
 def test_scheduler_in_ds_config_is_allowed_without_param_scheduler() -> None:
-    side = MMEngineSide(batch_size=4, has_optim_wrapper=True, has_param_scheduler=False)
+    side = MMEngineSettings(batch_size=4, has_optim_wrapper=True, has_param_scheduler=False)
     assert 'scheduler' in resolve({'scheduler': {'type': 'WarmupLR'}}, side)
 
 
 # --- optim_wrapper settings DeepSpeed cannot honour -----------------------
 
 def test_clip_by_value_is_refused() -> None:
-    side = MMEngineSide(clip_grad={'type': 'value', 'clip_value': 1.0}, has_optim_wrapper=True)
+    side = MMEngineSettings(clip_grad={'type': 'value', 'clip_value': 1.0}, has_optim_wrapper=True)
     refused({}, "clip_grad.type='value'", 'global norm', side=side)
 
 
 def test_clip_norm_type_other_than_two_is_refused() -> None:
-    side = MMEngineSide(clip_grad={'max_norm': 1.0, 'norm_type': 1}, has_optim_wrapper=True)
+    side = MMEngineSettings(clip_grad={'max_norm': 1.0, 'norm_type': 1}, has_optim_wrapper=True)
     refused({}, 'norm_type=1', 'L2', side=side)
 
 
 def test_clip_unknown_arguments_are_refused() -> None:
-    side = MMEngineSide(clip_grad={'max_norm': 1.0, 'error_if_nonfinite': True},
+    side = MMEngineSettings(clip_grad={'max_norm': 1.0, 'error_if_nonfinite': True},
                         has_optim_wrapper=True)
     refused({}, "['error_if_nonfinite']", side=side)
 
 
 def test_clip_without_positive_max_norm_is_refused() -> None:
-    side = MMEngineSide(clip_grad={'max_norm': 0}, has_optim_wrapper=True)
+    side = MMEngineSettings(clip_grad={'max_norm': 0}, has_optim_wrapper=True)
     refused({}, 'clip_grad.max_norm must be a positive number', side=side)
 
 
 @pytest.mark.parametrize('wrapper', ['AmpOptimWrapper', 'ApexOptimWrapper'])
 def test_amp_optim_wrappers_are_refused(wrapper: str) -> None:
-    side = MMEngineSide(optim_wrapper_type=wrapper, has_optim_wrapper=True)
+    side = MMEngineSettings(optim_wrapper_type=wrapper, has_optim_wrapper=True)
     refused({}, f"optim_wrapper.type='{wrapper}'", 'bf16=dict(enabled=True)', side=side)
 
 
 def test_unknown_optim_wrapper_type_is_refused() -> None:
-    side = MMEngineSide(optim_wrapper_type='ZeroRedundancyOptimizer', has_optim_wrapper=True)
+    side = MMEngineSettings(optim_wrapper_type='ZeroRedundancyOptimizer', has_optim_wrapper=True)
     refused({}, "'ZeroRedundancyOptimizer' is not supported", 'OptimWrapper', side=side)
 
 
 @pytest.mark.parametrize('wrapper', ['OptimWrapper', 'DeepSpeedOptimWrapper', None])
 def test_plain_optim_wrappers_are_accepted(wrapper: str | None) -> None:
-    resolve({}, MMEngineSide(optim_wrapper_type=wrapper, has_optim_wrapper=True))
+    resolve({}, MMEngineSettings(optim_wrapper_type=wrapper, has_optim_wrapper=True))
 
 
 # --- structure and types ------------------------------------------------------

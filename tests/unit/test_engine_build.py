@@ -3,18 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mmengine.optim import OptimWrapper, OptimWrapperDict
+from mmengine.optim import OptimWrapperDict
 from mmengine.registry import OPTIM_WRAPPER_CONSTRUCTORS
 from torch import nn
 
 import mmengine_deepspeed  # noqa: F401  registers the constructor
-from mmengine_deepspeed.engine.build import (
-    as_plain_wrappers,
-    is_several,
-    mmengine_sides,
-    named_optimizers,
-    owned_submodules,
-)
+from mmengine_deepspeed.engine.build import owned_submodules
+from mmengine_deepspeed.engine.spec import named_optimizers
 from tests.toy_gan import ADAM, ToyGAN, gan_wrappers
 
 
@@ -103,55 +98,3 @@ def test_constructor_names_a_missing_submodule() -> None:
     with pytest.raises(ValueError, match=r"no submodule 'gen' \(its children: "
                                          r"data_preprocessor, generator"):
         constructor(ToyGAN())
-
-
-def test_sides_per_optimizer() -> None:
-    sides = mmengine_sides(dict(batch_size=4), gan_wrappers(ToyGAN()), dict(generator=[]))
-    assert {n: (s.accumulative_counts, s.clip_grad) for n, s in sides.items()} == {
-        'generator': (2, None), 'discriminator': (1, {'max_norm': 1.0})}
-    config = dict(constructor='SubmoduleOptimWrapperConstructor',
-                  generator=dict(optimizer=ADAM, clip_grad=dict(max_norm=2.0)),
-                  discriminator=dict(optimizer=ADAM))
-    assert is_several(config)
-    sides = mmengine_sides(None, config, None)
-    assert sides['generator'].clip_grad == {'max_norm': 2.0}
-    assert as_plain_wrappers(config)['discriminator']['type'] == 'OptimWrapper'
-
-
-def test_several_configs_without_constructor_say_what_to_add() -> None:
-    config = dict(generator=dict(optimizer=ADAM), discriminator=dict(optimizer=ADAM))
-    with pytest.raises(ValueError, match="constructor='SubmoduleOptimWrapperConstructor'"):
-        mmengine_sides(None, config, None)
-
-
-def test_optimizer_fields_outside_optimizer_are_explained() -> None:
-    with pytest.raises(ValueError, match=r'no "optimizer" key.*optimizer=dict\(type=\'SGD\''):
-        mmengine_sides(None, dict(type='SGD', lr=0.2), None)
-
-
-def test_one_built_wrapper_is_one_engine() -> None:
-    wrapper = OptimWrapper(_adam(nn.Linear(2, 2)))
-    assert list(mmengine_sides(None, wrapper, None)) == ['model']
-    assert not is_several(wrapper)
-
-
-def test_side_from_config_dicts() -> None:
-    side, = mmengine_sides(dict(batch_size=6), dict(type='OptimWrapper', accumulative_counts=2,
-                                                    clip_grad=dict(max_norm=3.0),
-                                                    optimizer=dict(type='SGD', lr=0.1)),
-                           [{}]).values()
-    assert (side.batch_size, side.accumulative_counts, side.clip_grad['max_norm'],
-            side.optim_wrapper_type, side.has_optim_wrapper,
-            side.has_param_scheduler) == (6, 2, 3.0, 'OptimWrapper', True, True)
-
-
-def test_side_from_built_objects() -> None:
-    from mmengine.optim import OptimWrapper
-    from torch.utils.data import DataLoader
-
-    model = nn.Linear(2, 2)
-    wrapper = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), accumulative_counts=3,
-                           clip_grad=dict(type='value', clip_value=1.0))
-    side = mmengine_sides(DataLoader(list(range(8)), batch_size=5), wrapper, None)['model']
-    assert (side.batch_size, side.accumulative_counts, side.clip_grad['type'],
-            side.has_param_scheduler) == (5, 3, 'value', False)

@@ -6,6 +6,9 @@ from typing import Any
 import pytest
 from mmengine.logging import MessageHub
 
+from mmengine_deepspeed.config.resolve import MMEngineSettings
+from mmengine_deepspeed.engine.spec import EngineSpecs
+
 
 class _ThroughputRunner:
     """What ThroughputHook reads of a runner, without a process group."""
@@ -14,7 +17,9 @@ class _ThroughputRunner:
         self.hooks = hooks
         self.iter = 0
         self.world_size = 1
-        self.ds_config = {'train_micro_batch_size_per_gpu': 4}
+        self.engine_specs = EngineSpecs({'train_micro_batch_size_per_gpu': 4}, None,
+                                        {'model': MMEngineSettings()})
+        self.engine_specs.resolve(world_size=1)
         self.model = type('Wrapped', (), {'module': type('M', (), {'tokens_per_sample': 16})()})()
         self.message_hub = MessageHub.get_instance('throughput_hook_test')
 

@@ -70,12 +70,11 @@ def test_nvme_offload_is_checked_when_the_runner_is_created(tmp_path: Any) -> No
 
 
 def test_when_the_model_is_built_whole_and_why() -> None:
-    z3 = {'zero_optimization': {'stage': 3}}
-    assert build_advice({'type': 'ToyModel'}, z3, zero_init=True, engines=1) is None
-    assert 'pass its config' in build_advice(ToyModel(), z3, zero_init=True, engines=1)
-    assert 'Several optimizers' in build_advice({'type': 'ToyModel'}, z3, True, engines=2)
-    assert build_advice(ToyModel(), z3, zero_init=False, engines=1) is None
-    assert build_advice(ToyModel(), {'zero_optimization': {'stage': 2}}, True, 1) is None
+    assert build_advice({'type': 'ToyModel'}, 3, zero_init=True, engines=1) is None
+    assert 'pass its config' in build_advice(ToyModel(), 3, zero_init=True, engines=1)
+    assert 'Several optimizers' in build_advice({'type': 'ToyModel'}, 3, True, engines=2)
+    assert build_advice(ToyModel(), 3, zero_init=False, engines=1) is None
+    assert build_advice(ToyModel(), 2, True, 1) is None
 
 
 def test_zero_init_switch_reads_the_config(tmp_path: Any) -> None:

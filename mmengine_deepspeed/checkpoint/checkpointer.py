@@ -1,0 +1,223 @@
+"""The runner's checkpointer: what to resume from (the plan), save and restore.
+
+Save and restore are collective (every rank calls them). The engines' state
+goes through DeepSpeed (one tag per engine), resharded through a universal
+checkpoint when the layout changed; everything else is a named part
+(``parts.py``); hooks add and read their own keys (``before_save_checkpoint``
+/ ``after_load_checkpoint``). ``load_from`` weights go into the bare model
+before ``deepspeed.initialize``, so one path serves ZeRO 0-3 (ZeRO-3
+partitions what was loaded) and DeepSpeed's ``load_checkpoint(
+load_optimizer_states=False)``, which ignores ``tag`` under ZeRO-3
+(DeepSpeed #8499), is never used.
+"""
+from __future__ import annotations
+
+import os
+import os.path as osp
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import deepspeed
+import mmengine
+import torch
+from torch import nn
+
+from ..engine.spec import EngineSpecs
+from ..version import __version__
+from .layout import (
+    CLIENT_FILE,
+    RANK_FILE,
+    STATE_DICT_KEY,
+    WEIGHTS_FILE,
+    CheckpointError,
+    check_checkpoint,
+    engine_modules,
+    engine_tag,
+    find_latest_complete,
+    shard_files,
+)
+from .parts import Part
+from .plan import ResumeKind, ResumePlan, plan_for, resolve_plan
+from .reshard import Layout, check_reshardable, convert
+from .safe_load import check_pickles, safe_load
+from .save import save_checkpoint_dir
+from .state import plain
+from .weights import load_full_state_dict
+
+CallHook = Callable[..., None]
+
+
+def run_facts(specs: EngineSpecs, *, seed: Any, world_size: int,
+              experiment_name: str) -> dict[str, Any]:
+    """The JSON facts about the run a checkpoint records (beside epoch and iter)."""
+    return dict(
+        seed=seed, world_size=world_size, zero_stage=specs.zero_stage,
+        precision=specs.precision, experiment_name=experiment_name,
+        ds_configs=specs.configs(), time=time.strftime('%Y%m%d_%H%M%S'),
+        versions=dict(mmengine=str(mmengine.__version__), deepspeed=str(deepspeed.__version__),
+                      torch=str(torch.__version__), mmengine_deepspeed=__version__))
+
+
+class Checkpointer:
+    """What the runner resumes from, and its collective save and restore.
+
+    Args:
+        work_dir (str): Where checkpoints are (``resume=True`` looks there).
+        resume (bool): MMEngine's ``resume``.
+        load_from (str, optional): MMEngine's ``load_from``.
+        allow_unsafe (bool): Unpickle beyond tensors and plain types.
+        logger (Any): The runner's logger.
+    """
+
+    def __init__(self, work_dir: str, *, resume: bool, load_from: Optional[str],
+                 allow_unsafe: bool, logger: Any):
+        self.work_dir = work_dir
+        self.allow_unsafe = allow_unsafe
+        self.logger = logger
+        self._resume = resume
+        self._load_from = load_from
+        self._plan: Optional[ResumePlan] = None
+        self.weights_loaded = False  # weights are in the model (load_from, or a resume's)
+        self.restored = False  # the plan's whole state was restored into the engines
+
+    def resume_after_restart(self) -> None:
+        """After the elastic agent restarted the job (``--max-restarts``), resume by itself.
+
+        torchrun (and ``mmengine-deepspeed train --max-restarts``) restart
+        every process when one dies, with ``TORCHELASTIC_RESTART_COUNT`` > 0;
+        the latest complete checkpoint in ``work_dir`` is then what to
+        continue from, whatever ``resume`` / ``load_from`` the config says.
+        """
+        restart = int(os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0)
+        if restart == 0:
+            return
+        latest, _ = find_latest_complete(self.work_dir)
+        if latest is None:
+            self.logger.warning(f'Restart {restart} of this job: no complete checkpoint in '
+                                f'{self.work_dir} yet, starting over.')
+            return
+        self.request_resume(latest)
+        self.logger.warning(f'Restart {restart} of this job: resuming from {latest}, the latest '
+                            'complete checkpoint.')
+
+    def request_resume(self, path: str) -> None:
+        """Resume from ``path`` (``runner.resume`` before ``train()``, or a restart)."""
+        if self._plan is not None and self._plan.resumes and self._plan.path == path:
+            return
+        self._resume, self._load_from = True, path
+        self._plan = None
+
+    @property
+    def resuming(self) -> bool:
+        """Whether the run continues a checkpoint (not only loads weights)."""
+        return self._resume
+
+    def plan(self, current: Layout) -> ResumePlan:
+        """The resume plan, resolved on first use (the start of train/val/test) and kept."""
+        if self._plan is None:
+            self._plan = resolve_plan(resume=self._resume, path=self._load_from,
+                                      work_dir=self.work_dir, current=current, logger=self.logger)
+        return self._plan
+
+    def prepare_universal(self, specs: EngineSpecs) -> None:
+        """Before the engines exist: configure them to load a universal checkpoint.
+
+        Refuses optimizers a universal checkpoint cannot carry before any
+        work is done.
+        """
+        plan = self._plan
+        if plan is None or plan.kind is not ResumeKind.UNIVERSAL:
+            return
+        for spec in specs:
+            check_reshardable(spec.optimizer, str(plan.path))
+            spec.ds_config.setdefault('checkpoint', {})['load_universal'] = True
+
+    def save(self, path: str, *, specs: EngineSpecs, model: nn.Module, facts: dict[str, Any],
+             parts: Sequence[Part], call_hook: CallHook, weights_only: bool) -> None:
+        """Save the engines and every part into directory ``path`` (collective).
+
+        Args:
+            path (str): The checkpoint directory.
+            specs (EngineSpecs): The engines (built or not).
+            model (nn.Module): The user's whole model.
+            facts (dict): JSON facts for ``meta.json`` (:func:`run_facts`).
+            parts (Sequence[Part]): The run state beside the engines.
+            call_hook (CallHook): The runner's ``call_hook``.
+            weights_only (bool): Consolidated weights in place of DeepSpeed's
+                shards (``weights.py``): no optimizer state.
+        """
+        facts = dict(facts)
+        if len(specs) > 1:
+            facts['engines'] = specs.modules()
+        client: dict[str, Any] = {}
+        rank_state: dict[str, Any] = {}
+        for part in parts:
+            state = part.state_dict()
+            if state is not None:
+                (rank_state if part.per_rank else client)[part.key] = state
+        call_hook('before_save_checkpoint', checkpoint=client)
+        save_checkpoint_dir(path, specs.engines(), model, plain(client), plain(rank_state),
+                            facts, weights_only=weights_only)
+
+    def restore(self, path: str, *, specs: EngineSpecs, model: nn.Module, world_size: int,
+                rank: int, parts: Sequence[Part], call_hook: CallHook) -> dict[str, Any]:
+        """Restore the engines and every part from ``path`` (collective).
+
+        Returns:
+            dict: The checkpoint's client state (as hooks saw it when saving).
+        """
+        plan = plan_for(path, Layout(world_size, specs.zero_stage))
+        meta = check_checkpoint(path)
+        check_pickles([*shard_files(path), osp.join(path, CLIENT_FILE)], self.allow_unsafe)
+        client = safe_load(osp.join(path, CLIENT_FILE), self.allow_unsafe)
+        if plan.kind is ResumeKind.WEIGHTS_ONLY:
+            self._load_weights_only(path, specs, model)
+        else:
+            self._load_engines(path, meta, specs, world_size, plan.kind is ResumeKind.UNIVERSAL)
+        # On another world size, rank r takes the RNG and buffers of rank r mod N.
+        rank_file = osp.join(path, RANK_FILE.format(rank=rank % meta['world_size']))
+        rank_state = safe_load(rank_file, self.allow_unsafe)
+        for part in parts:
+            saved = (rank_state if part.per_rank else client).get(part.key)
+            if saved is not None:
+                part.load_state_dict(saved)
+        call_hook('after_load_checkpoint', checkpoint=client)
+        self.weights_loaded = self.restored = True
+        return client
+
+    def _load_engines(self, path: str, meta: dict[str, Any], specs: EngineSpecs,
+                      world_size: int, universal: bool) -> None:
+        """DeepSpeed's shards into the engines, resharded if the layout changed."""
+        saved_modules = engine_modules(meta)
+        if saved_modules != specs.modules():
+            raise CheckpointError(
+                f'{path!r} holds the engines {saved_modules} ({{name: submodule}}); this run '
+                f'builds {specs.modules()}. Resume with the optim_wrapper keys the checkpoint '
+                'was trained with, or start from its weights with load_from and resume=False.')
+        saved = Layout(meta['world_size'], meta['zero_stage'])
+        current = Layout(world_size, specs.zero_stage)
+        if universal:
+            self.logger.info(f'Resharding {path}: {saved} -> {current}, through a DeepSpeed '
+                             'universal checkpoint (converted once, kept beside it).')
+        elif saved != current:
+            self.logger.info(f'Resuming {path} ({saved}) on {current}: ZeRO-0 state is whole.')
+        for name, engine in specs.engines().items():
+            tag = engine_tag(name)
+            if universal:
+                tag = convert(path, tag, current.zero_stage)
+            load_path, _ = engine.load_checkpoint(path, tag=tag, load_module_strict=True,
+                                                  load_optimizer_states=True,
+                                                  load_lr_scheduler_states=False)
+            if load_path is None:
+                raise CheckpointError(f'DeepSpeed could not load {osp.join(path, tag)}.')
+
+    def _load_weights_only(self, path: str, specs: EngineSpecs, model: nn.Module) -> None:
+        """A weights-only checkpoint's weights into the engines, fp32 masters included."""
+        state = safe_load(osp.join(path, WEIGHTS_FILE), self.allow_unsafe)[STATE_DICT_KEY]
+        load_full_state_dict(model, [e.optimizer for e in specs.engines().values()], state, path)
+        self.logger.warning(
+            f'{path} holds no optimizer state (saved with save_optimizer=False, or before '
+            "train() built the optimizer): its weights, loop position, param schedulers and RNG "
+            "states are restored, and the optimizer's own state (momentum, Adam moments) starts "
+            'from zero.')

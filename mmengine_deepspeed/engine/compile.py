@@ -1,0 +1,77 @@
+"""MMEngine's ``compile`` key, honoured the way DeepSpeed supports: each engine's module.
+
+MMEngine's Runner applies ``torch.compile`` to ``model.train_step``; under
+DeepSpeed that drags the engine's hooks, bookkeeping and collectives into
+dynamo's graph (ZeRO-2 dies building guards, ZeRO-3 recompiles until dynamo
+gives up). DeepSpeed's ``engine.compile()`` compiles the module inside the
+engine instead (``nn.Module.compile``), so the forward (and, through
+AOTAutograd, its backward) is compiled and the engine stays eager around it.
+A model with several engines has each optimizer's submodule compiled, which
+is what its own ``train_step`` calls.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from ..compat import dynamo_counts
+from .spec import EngineSpecs
+
+CompileCfg = Union[bool, dict, None]
+
+
+def compile_options(compile_cfg: CompileCfg) -> Optional[dict]:
+    """``torch.compile`` options from MMEngine's ``compile`` key; None: do not compile.
+
+    Raises:
+        TypeError: ``compile`` is neither a bool nor a dict.
+    """
+    if compile_cfg is None or compile_cfg is False:
+        return None
+    if compile_cfg is True:
+        return {}
+    if not isinstance(compile_cfg, dict):
+        raise TypeError(
+            f'compile={compile_cfg!r}: give True, or the options of torch.compile as a dict, '
+            "e.g. compile=dict(backend='inductor', mode='max-autotune').")
+    return dict(compile_cfg)
+
+
+def compile_engines(specs: EngineSpecs, options: dict, logger: Any) -> dict[str, int]:
+    """Compile every engine's module with ``options`` (``backend`` and torch.compile's kwargs).
+
+    Compilation itself happens on the first forward of each mode (loss,
+    predict); the returned counts let the caller report what it cost.
+
+    Returns:
+        dict[str, int]: dynamo's counts before compiling (see
+        :func:`compile_report`).
+    """
+    options = dict(options)
+    backend = options.pop('backend', 'inductor')
+    for spec in specs:
+        assert spec.engine is not None, 'compile_engines runs after the engines are built'
+        spec.engine.compile(backend=backend, compile_kwargs=options)
+    names = ', '.join(f'model.{s.path}' if s.path else 'the model' for s in specs)
+    logger.info(f'torch.compile (backend={backend!r}{", " if options else ""}'
+                f'{", ".join(f"{k}={v!r}" for k, v in options.items())}) applied to {names} '
+                "inside the DeepSpeed engine (engine.compile()), not to train_step; the first "
+                'iterations of training and of validation compile.')
+    return dynamo_counts()
+
+
+def compile_report(before: dict[str, int]) -> str:
+    """What dynamo built since ``before``: graphs, graph breaks, frames looked at.
+
+    A graph built again for new inputs (a recompilation) counts again, so a
+    count that grows with the number of iterations means a recompilation storm.
+    Code compiled by an earlier runner in this process is reused (dynamo guards
+    on inputs, not on the module instance), so a later runner may build none.
+    """
+    now = dynamo_counts()
+    frames, graphs, breaks = (now[k] - before.get(k, 0)
+                              for k in ('frames', 'graphs', 'graph_breaks'))
+    if frames == 0:
+        return ('torch.compile built no new graph during this run: the compiled code of an '
+                'earlier runner in this process served it.')
+    return (f'torch.compile built {graphs} graphs ({breaks} graph breaks, {frames} frames '
+            'looked at) during this run.')
