@@ -15,12 +15,17 @@ With --profile, one more launch per mode runs the measured iterations of rank 0 
 cProfile (the tiny model at ZeRO-2, or --profile-case) and prints where each iteration's
 time goes, by package. --models picks the models (mlp: ~4.5M parameters in fp32).
 
+With --compiled, each round also trains the runner with MMEngine's compile=True (each
+engine's module through DeepSpeed's engine.compile(), inductor), and a third table puts its
+speed and its first iteration (compilation included) next to the eager runner's.
+
 With --unused, each round also trains the runner with find_unused_parameters=True
 (ZeRO-2), and a second table puts its speed next to the default runner's, whose
 per-iteration check that every rank used the same parameters is timed on its own.
 
     python benchmarks/overhead.py [--rounds 3] [--models gpt,mlp,tiny] [--profile]
-                                  [--profile-case MODEL:STAGE] [--unused] [--peak-tflops T]
+                                  [--profile-case MODEL:STAGE] [--unused] [--compiled]
+                                  [--peak-tflops T]
                                   [--smoke]
 """
 from __future__ import annotations
@@ -104,6 +109,22 @@ def unused_table(models: list[str], results: dict[tuple, list[dict]]) -> str:
                   'find_unused it/s', 'find_unused/runner min/med/max'], rows)
 
 
+def compiled_table(models: list[str], stages: tuple[int, ...],
+                   results: dict[tuple, list[dict]]) -> str:
+    rows = []
+    for model in models:
+        for stage in stages:
+            eager, compiled = (results[(model, stage, m)] for m in ('runner', 'runner_compiled'))
+            rows.append([model, f'ZeRO-{stage}',
+                         *(statistics.median(r['it_per_s'] for r in runs)
+                           for runs in (eager, compiled)),
+                         spread([c['it_per_s'] / e['it_per_s'] for c, e in zip(compiled, eager)]),
+                         *(statistics.median(r['first_iter_s'] for r in runs)
+                           for runs in (eager, compiled))])
+    return table(['model', 'stage', 'eager it/s', 'compiled it/s', 'compiled/eager min/med/max',
+                  'first iter s eager', 'first iter s compiled'], rows)
+
+
 def profile_table(profiles: dict[str, dict[str, float]]) -> str:
     packages = sorted({p for prof in profiles.values() for p in prof},
                       key=lambda p: -profiles['runner'].get(p, 0.0))
@@ -122,6 +143,8 @@ def main() -> None:
                         help='bf16 peak per device for MFU (default: known GPUs only)')
     parser.add_argument('--unused', action='store_true',
                         help='also measure find_unused_parameters=True (ZeRO-2)')
+    parser.add_argument('--compiled', action='store_true',
+                        help="also measure the runner with MMEngine's compile=True")
     parser.add_argument('--models', help='comma-separated, from gpt, mlp (fp32), tiny '
                         '(default: gpt,tiny, and gpt125m on CUDA)')
     parser.add_argument('--profile-case', default='tiny:2', metavar='MODEL:STAGE',
@@ -151,6 +174,9 @@ def main() -> None:
                     if args.unused and stage == 2:
                         results[(model, stage, 'runner_find_unused')].append(
                             run('runner_find_unused', model, stage, iters[model], tmp))
+                    if args.compiled:
+                        results[(model, stage, 'runner_compiled')].append(
+                            run('runner_compiled', model, stage, iters[model], tmp))
         if args.profile:
             name, stage_text = args.profile_case.split(':')
             for mode in MODES:
@@ -174,6 +200,10 @@ def main() -> None:
         print('\ncheck: the default runner\'s per-iteration test that all ranks used the same '
               'parameters (a walk of the autograd graph; one all-reduce in the first iteration '
               'only); find_unused: gradients through one node so skipped parameters get zeros.')
+    if args.compiled:
+        print('\n' + compiled_table(models, stages, results))
+        print("\ncompiled: MMEngine's compile=True, applied by DeepSpeedRunner to each engine's "
+              'module (engine.compile(), inductor); its first iteration includes compilation.')
     if profiles:
         print('\n' + profile_table(profiles))
         print('\nOwn time: time in each package\'s functions themselves, callees excluded; '

@@ -4,7 +4,8 @@ Usage (under torchrun): ``overhead_worker.py MODE MODEL STAGE WARMUP ITERS WORK_
 [--profile]``, MODE one of ``raw`` (a hand-written DeepSpeed loop), ``runner``
 (DeepSpeedRunner; the result carries the milliseconds its per-iteration check that
 all ranks used the same parameters took), ``runner_find_unused`` (DeepSpeedRunner with
-``find_unused_parameters=True``) and ``strategy`` (MMEngine's FlexibleRunner +
+``find_unused_parameters=True``), ``runner_compiled`` (DeepSpeedRunner with MMEngine's
+``compile=True``) and ``strategy`` (MMEngine's FlexibleRunner +
 DeepSpeedStrategy, with the patches listed in ``STRATEGY_PATCHES`` applied here only).
 On CUDA every mode uses NCCL and one GPU per rank. Rank 0 prints ``RESULT {json}``;
 with ``--profile`` the measured iterations of rank 0 run under cProfile and the result
@@ -177,7 +178,7 @@ def time_the_unused_parameter_check() -> None:
 
 
 def run_runner(model_name: str, stage: int, iters: int, work_dir: str,
-               recorder: Recorder, find_unused: bool = False) -> int:
+               recorder: Recorder, find_unused: bool = False, compiled: bool = False) -> int:
     from mmengine.config import Config
     from mmengine.registry import RUNNERS
 
@@ -190,6 +191,8 @@ def run_runner(model_name: str, stage: int, iters: int, work_dir: str,
     cfg.update(runner_type='DeepSpeedRunner', ds_config=ds_config(stage, model=model_name))
     if find_unused:
         cfg['model_wrapper_cfg'] = dict(find_unused_parameters=True)
+    if compiled:
+        cfg['compile'] = True
     runner = RUNNERS.build(Config(cfg))
     runner.register_hook(Clock(recorder))
     runner.train()
@@ -245,9 +248,10 @@ def main() -> None:
     total = warmup + iters
     if mode == 'raw':
         params = run_raw(model_name, stage, total, recorder)
-    elif mode in ('runner', 'runner_find_unused'):
+    elif mode.startswith('runner'):
         params = run_runner(model_name, stage, total, work_dir, recorder,
-                            find_unused=mode == 'runner_find_unused')
+                            find_unused=mode == 'runner_find_unused',
+                            compiled=mode == 'runner_compiled')
     else:
         params = run_strategy(model_name, stage, total, work_dir, recorder)
     profile = recorder.profile_ms()

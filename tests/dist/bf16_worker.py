@@ -11,8 +11,8 @@ import torch
 from mmengine.config import Config
 
 import mmengine_deepspeed.dist
+import mmengine_deepspeed.engine.spec
 import mmengine_deepspeed.hooks.monitor
-import mmengine_deepspeed.runner
 from mmengine_deepspeed import DeepSpeedRunner
 from tests.helpers import toy_config
 
@@ -22,7 +22,7 @@ def no_native_bf16() -> bool:
 
 
 def main() -> None:
-    for module in (mmengine_deepspeed.dist, mmengine_deepspeed.runner,
+    for module in (mmengine_deepspeed.dist, mmengine_deepspeed.engine.spec,
                    mmengine_deepspeed.hooks.monitor):
         module.native_bf16 = no_native_bf16  # type: ignore[attr-defined]
     cfg = toy_config(sys.argv[1], max_iters=2, val=False, log_level='INFO',

@@ -31,7 +31,6 @@ from mmengine.hooks import Hook
 from mmengine.registry import HOOKS, RUNNERS
 
 import mmengine_deepspeed  # noqa: F401
-from mmengine_deepspeed.checkpoint import save as save_module
 from mmengine_deepspeed.checkpoint.layout import MARKER_FILE
 from mmengine_deepspeed.dist import init_distributed
 from tests.helpers import (
@@ -56,15 +55,16 @@ def _as_test_only(cfg: dict) -> dict:
 
 def _kill_rank1_during_save_at(iteration: int, runner_box: list) -> None:
     """Make rank 1 die with SIGKILL after DeepSpeed wrote the shards of that save."""
-    real = save_module.rank_state
+    real = deepspeed.DeepSpeedEngine.save_checkpoint
 
-    def dying_rank_state(module: Any) -> dict:
+    def dying_save(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        saved = real(engine, *args, **kwargs)
         runner = runner_box[0]
         if runner.rank == 1 and runner.iter + 1 == iteration:
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(module)
+        return saved
 
-    save_module.rank_state = dying_rank_state
+    deepspeed.DeepSpeedEngine.save_checkpoint = dying_save  # type: ignore[method-assign]
 
 
 @HOOKS.register_module()
