@@ -4,7 +4,9 @@ For a TinyGPT family (width x depth), per rank (the maximum over ranks), built a
 by DeepSpeedRunner with fp32 AdamW: the peak while the model is constructed, the peak through
 building the engine and training, and what is held in steady training (RSS on CPU,
 the allocator on CUDA; see scale_worker.py) for ZeRO-0, ZeRO-3, ZeRO-3 + zero.Init and
-ZeRO-3 + zero.Init + CPU offload of optimizer and parameters. Next to them:
+ZeRO-3 + zero.Init + CPU offload of optimizer and parameters, and ZeRO-3 + zero.Init with
+DeepSpeed's own buffer and limit defaults (``zero3_init_ds_sizes``) where the others have the
+runner's, sized to the model. Next to them:
 the theory for fp32 Adam's model states, 16 bytes per parameter (16Φ per rank for ZeRO-0,
 16Φ/N for ZeRO-3), and DeepSpeed's own ZeRO-3 estimate
 (``estimate_zero3_model_states_mem_needs``, what ``..._all_live`` prints, which assumes

@@ -15,8 +15,10 @@ Rank 0 prints ``RESULT {json}`` with the maximum over ranks of:
   allocated bytes).
 
 fp32 AdamW (DeepSpeed's CPU Adam where the optimizer is offloaded, which the
-runner swaps in by itself), batch 1 of 64 tokens, bucket sizes of 5e6
-elements so that ZeRO's buffers do not dwarf small models.
+runner swaps in by itself), batch 1 of 64 tokens. ZeRO-3's buffers and limits
+are the runner's, sized to the model (``config/model_settings.py``), except in
+``zero3_init_ds_sizes``: DeepSpeed's own defaults, with the reduce bucket sized
+to the trainable parameters (what the runner did before it sized the rest).
 """
 from __future__ import annotations
 
@@ -36,10 +38,13 @@ import mmengine_deepspeed.demo  # noqa: F401  registers the runner and TinyGPT
 from benchmarks.common import live_rss_kib, reset_peak_rss, status_kib  # registers RandomTokens
 from mmengine_deepspeed import DeepSpeedRunner
 
-BUCKET = 5_000_000
 # name -> (ZeRO stage, zero_init, offload optimizer and parameters to the CPU)
 CASES = {'zero0': (0, False, False), 'zero3': (3, False, False),
-         'zero3_init': (3, True, False), 'zero3_init_offload': (3, True, True)}
+         'zero3_init': (3, True, False), 'zero3_init_offload': (3, True, True),
+         'zero3_init_ds_sizes': (3, True, False)}
+# DeepSpeed 0.19's defaults for what the runner sizes to the model (zero3_init_ds_sizes)
+DEEPSPEED_SIZES = dict(stage3_prefetch_bucket_size=50_000_000, stage3_max_live_parameters=10**9,
+                       stage3_max_reuse_distance=10**9, sub_group_size=10**9)
 
 
 def reset_peak() -> float:
@@ -62,12 +67,20 @@ def held() -> float:
     return live_rss_kib() / 1024
 
 
+def trainable_params(width: int, depth: int) -> int:
+    """The TinyGPT's parameter count, from a model built on the meta device."""
+    from mmengine.registry import MODELS
+    with torch.device('meta'):
+        model = MODELS.build(dict(type='TinyGPT', block_size=64, width=width, depth=depth,
+                                  heads=max(1, width // 64)))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def config(case: str, width: int, depth: int, steps: int, work_dir: str) -> dict:
     stage, zero_init, offload = CASES[case]
-    zero: dict[str, Any] = dict(stage=stage, reduce_bucket_size=BUCKET,
-                                allgather_bucket_size=BUCKET)
-    if stage == 3:
-        zero.update(stage3_prefetch_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
+    zero: dict[str, Any] = dict(stage=stage)
+    if case == 'zero3_init_ds_sizes':
+        zero.update(DEEPSPEED_SIZES, reduce_bucket_size=trainable_params(width, depth))
     if offload:
         zero.update(offload_optimizer={'device': 'cpu'}, offload_param={'device': 'cpu'})
     backend = 'nccl' if torch.cuda.is_available() else 'gloo'

@@ -1,6 +1,6 @@
 """ds_config settings that depend on the model, applied just before ``deepspeed.initialize``.
 
-config.py resolves the ds_config from the MMEngine config alone; some settings
+resolve.py resolves the ds_config from the MMEngine config alone; some settings
 can only be right once the model is known. Each is applied only where the
 user left it to DeepSpeed, and an explicit value is always kept.
 """
@@ -12,7 +12,7 @@ from torch import nn
 from ..compat import full_numel
 from .resolve import precision, zero_stage
 
-# DeepSpeed 0.19's default zero_optimization.reduce_bucket_size, in elements.
+# DeepSpeed 0.19's default zero_optimization.reduce_bucket_size, in elements: the cap.
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
 
 
@@ -43,30 +43,53 @@ def match_norm_buffers(ds_config: dict, model: nn.Module) -> None:
     data_types.setdefault('buffer_dtype', mode)
 
 
-def fit_reduce_bucket(ds_config: dict, model: nn.Module) -> None:
-    """Under ZeRO-3, size the gradient reduce bucket to the model if the config does not.
+def zero3_sizes(model: nn.Module) -> dict[str, int]:
+    """ZeRO-3's buffer and limit settings sized to ``model`` rather than to billions of parameters.
 
-    ZeRO-3 allocates its whole ``reduce_bucket_size`` buffer when the engine
-    is built, and DeepSpeed's default of 5e8 elements is 1.9 GiB per rank in
-    fp32 (0.95 GiB in bf16) however small the model. A bucket that holds all
-    trainable parameters' gradients at once never fills before the end of
-    the backward pass, so capping it there flushes at the same points and
-    changes nothing but memory. An explicit ``reduce_bucket_size`` is kept.
+    DeepSpeed's defaults (1e9 live parameters and reuse distance, 1e9-element
+    optimizer sub-groups, a 5e8-element reduce bucket) let ZeRO-3 keep the whole
+    model gathered through forward and backward, step the optimizer over the
+    whole partition at once and allocate a bucket larger than most models:
+    its training peak then exceeds ZeRO-0's (benchmarks/RESULTS.md, section 4).
+    As the HF integration's "auto" values do from the hidden size, these scale
+    with the largest layer ``L`` (the most parameters one module holds itself):
+    the reduce and prefetch buckets hold one such layer, at most two are live
+    (or kept for reuse) at once, and the optimizer steps sub-groups of at least
+    ``L`` elements, at most 16 per engine. Every gradient is still reduced once
+    and every parameter gathered when its module runs, so results do not change.
+    ``stage3_param_persistence_threshold`` keeps DeepSpeed's default: parameters
+    under 1e5 elements stay whole on every rank, which costs little and spares a
+    collective to modules only some ranks run.
+
+    Returns:
+        dict[str, int]: ``zero_optimization`` keys and values.
+    """
+    largest = max((sum(full_numel(p) for p in m.parameters(recurse=False))
+                   for m in model.modules()), default=0)
+    trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
+    layer = max(1, min(DEEPSPEED_REDUCE_BUCKET, largest))
+    return dict(reduce_bucket_size=layer, stage3_prefetch_bucket_size=layer,
+                stage3_max_live_parameters=2 * layer, stage3_max_reuse_distance=2 * layer,
+                sub_group_size=max(layer, -(-trainable // 16)))
+
+
+def fit_zero3_sizes(ds_config: dict, model: nn.Module) -> None:
+    """Under ZeRO-3, fill the :func:`zero3_sizes` settings the config leaves unset.
+
+    An explicit value is kept, each key on its own.
 
     Args:
         ds_config (dict): The resolved config, updated in place.
-        model (nn.Module): The model about to be wrapped (not yet partitioned).
+        model (nn.Module): The model about to be wrapped (partitioned or not).
     """
     zero = ds_config.get('zero_optimization')
-    if zero_stage(ds_config) != 3 or not isinstance(zero, dict) \
-            or 'reduce_bucket_size' in zero:
+    if zero_stage(ds_config) != 3 or not isinstance(zero, dict):
         return
-    trainable = sum(full_numel(p) for p in model.parameters()
-                    if p.requires_grad)
-    zero['reduce_bucket_size'] = max(1, min(DEEPSPEED_REDUCE_BUCKET, trainable))
+    for key, value in zero3_sizes(model).items():
+        zero.setdefault(key, value)
 
 
 def fit_to_model(ds_config: dict, model: nn.Module) -> None:
     """Every model-dependent setting above, applied to ``ds_config`` in place."""
     match_norm_buffers(ds_config, model)
-    fit_reduce_bucket(ds_config, model)
+    fit_zero3_sizes(ds_config, model)

@@ -50,6 +50,11 @@ TRAIN_SCENARIOS: dict[str, dict[str, Any]] = {
 ADAMW = {'type': 'AdamW', 'lr': 0.01, 'weight_decay': 0.05}
 EMA = {'type': 'EMAHook', 'momentum': 0.2, 'begin_iter': 2}
 RECORDER = {'type': 'RecorderHook'}
+# DeepSpeed 0.19's defaults for what the runner sizes to the model (the bucket: larger than
+# the toy model, as 5e8 is, without allocating 5e8 elements per rank)
+DEEPSPEED_ZERO3_SIZES = dict(reduce_bucket_size=10**6, stage3_prefetch_bucket_size=50_000_000,
+                             stage3_max_live_parameters=10**9, stage3_max_reuse_distance=10**9,
+                             sub_group_size=10**9)
 PARITY_SCENARIOS: dict[str, dict[str, Any]] = {
     'parity_zero0': dict(ds_config={'zero_optimization': {'stage': 0}},
                          clip_grad={'max_norm': 0.5},
@@ -62,6 +67,15 @@ PARITY_SCENARIOS: dict[str, dict[str, Any]] = {
     'parity_zero1': dict(ds_config={'zero_optimization': {'stage': 1}}, optimizer=ADAMW),
     'parity_zero3': dict(ds_config={'zero_optimization': {'stage': 3}},
                          clip_grad={'max_norm': 0.5}),
+    # ZeRO-3 sized to the model (the runner's buffers and limits) against DeepSpeed's own
+    # defaults, every parameter partitioned (persistence 0), so the sizes are exercised
+    'parity_zero3_sized': dict(
+        ds_config={'zero_optimization': {'stage': 3, 'stage3_param_persistence_threshold': 0}},
+        optimizer=ADAMW),
+    'parity_zero3_deepspeed_sizes': dict(
+        ds_config={'zero_optimization': dict(DEEPSPEED_ZERO3_SIZES, stage=3,
+                                             stage3_param_persistence_threshold=0)},
+        optimizer=ADAMW),
     # EMAHook: the averaged weights, and validation on them, as MMEngine computes them.
     'parity_ema_zero0': dict(ds_config={'zero_optimization': {'stage': 0}}, val_interval=4,
                              custom_hooks=[EMA, RECORDER]),
@@ -172,6 +186,16 @@ def test_parity_with_plain_mmengine(results: dict, tmp_path: Any, name: str) -> 
     init.init_weights()
     moved = max((base['state'][k] - v).abs().max().item() for k, v in model_state(init).items())
     assert moved > 1e-2
+
+
+def test_zero3_sized_to_the_model_trains_as_with_deepspeeds_defaults(results: dict) -> None:
+    sized, defaults = (results[n][0] for n in ('parity_zero3_sized',
+                                               'parity_zero3_deepspeed_sizes'))
+    zero = sized['zero_config']
+    assert zero['sub_group_size'] < 10**9 and zero['stage3_max_live_parameters'] < 10**9
+    for key, value in defaults['state'].items():
+        torch.testing.assert_close(sized['state'][key], value, rtol=0, atol=1e-6)
+    assert sized['losses'] == pytest.approx(defaults['losses'], abs=1e-6)
 
 
 def test_test_only_builds_engine_without_optimizer(results: dict) -> None:

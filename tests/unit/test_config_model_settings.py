@@ -4,8 +4,13 @@ from __future__ import annotations
 import copy
 
 import pytest
+from torch import nn
 
-from mmengine_deepspeed.config.model_settings import fit_reduce_bucket, match_norm_buffers
+from mmengine_deepspeed.config.model_settings import (
+    fit_zero3_sizes,
+    match_norm_buffers,
+    zero3_sizes,
+)
 from tests.helpers import ToyModel
 
 
@@ -27,23 +32,38 @@ def test_buffer_dtype_left_alone_without_norm_or_when_set() -> None:
     assert ds == {}
 
 
-def test_zero3_reduce_bucket_fits_the_trainable_parameters() -> None:
-    """DeepSpeed's 5e8-element default would be allocated whole; a frozen part holds no grads."""
-    model = ToyModel(with_bn=False)
-    next(model.parameters()).requires_grad_(False)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+def test_zero3_sizes_follow_the_largest_layer() -> None:
+    """Buckets hold the largest layer, two are live, sub-groups are at most 16 per engine;
+    a frozen layer counts for gathering (it is gathered too) but not for the optimizer."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(32, 8))
+    model[0].requires_grad_(False)
     ds: dict = {'zero_optimization': {'stage': 3}}
-    fit_reduce_bucket(ds, model)
-    assert ds['zero_optimization']['reduce_bucket_size'] == trainable
-    assert 0 < trainable < sum(p.numel() for p in model.parameters())
+    fit_zero3_sizes(ds, model)
+    layer = 64 * 64 + 64
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert ds['zero_optimization'] == dict(
+        stage=3, reduce_bucket_size=layer, stage3_prefetch_bucket_size=layer,
+        stage3_max_live_parameters=2 * layer, stage3_max_reuse_distance=2 * layer,
+        sub_group_size=layer)
+    big = zero3_sizes(nn.Sequential(*[nn.Linear(64, 64) for _ in range(40)]))
+    assert big['sub_group_size'] == -(-40 * layer // 16) > layer
+    assert trainable < layer
+
+
+def test_zero3_sizes_keep_each_explicit_value() -> None:
+    ds: dict = {'zero_optimization': {'stage': 3, 'reduce_bucket_size': 123,
+                                      'sub_group_size': 10**9}}
+    fit_zero3_sizes(ds, ToyModel(with_bn=False))
+    zero = ds['zero_optimization']
+    assert zero['reduce_bucket_size'] == 123 and zero['sub_group_size'] == 10**9
+    assert zero['stage3_max_live_parameters'] == 2 * zero['stage3_prefetch_bucket_size']
 
 
 @pytest.mark.parametrize('ds', [
-    {'zero_optimization': {'stage': 3, 'reduce_bucket_size': 123}},  # the user's choice
-    {'zero_optimization': {'stage': 2}},  # ZeRO-1/2 allocate no bucket up front
+    {'zero_optimization': {'stage': 2}},  # ZeRO-1/2 have none of these settings
     {},
 ])
-def test_reduce_bucket_left_alone_when_set_or_not_zero3(ds: dict) -> None:
+def test_zero3_sizes_left_alone_below_zero3(ds: dict) -> None:
     before = copy.deepcopy(ds)
-    fit_reduce_bucket(ds, ToyModel(with_bn=False))
+    fit_zero3_sizes(ds, ToyModel(with_bn=False))
     assert ds == before
