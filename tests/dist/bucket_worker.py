@@ -1,11 +1,10 @@
 """ZeRO-3's reduce bucket on one rank, raw DeepSpeed against DeepSpeedRunner.
 
-Prints ``RAW <n> RUNNER <n> BUCKET <n> LAYER <n>``: the largest live tensor
+Prints ``RAW <n> RUNNER <n> BUCKET <n> TRAINABLE <n>``: the largest live tensor
 storage (in elements of 4 bytes) after raw ``deepspeed.initialize`` with
 DeepSpeed's default ``reduce_bucket_size``, the same after DeepSpeedRunner
 trained the toy model with ZeRO-3, the runner's ``reduce_bucket_size`` and the
-most parameters one module of the toy model holds itself (ZeRO-3's ``ds_numel``:
-the full size).
+toy model's trainable parameter count (ZeRO-3's ``ds_numel``: the full size).
 """
 import gc
 import sys
@@ -36,14 +35,14 @@ def main() -> None:
     runner.train()
     ours = largest_storage_elements()
     bucket = runner.engine_specs.shared('zero_optimization.reduce_bucket_size')
-    layer = max(sum(p.ds_numel for p in m.parameters(recurse=False))
-                for m in runner.model.module.modules())
+    trainable = sum(p.ds_numel for p in runner.model.module.parameters() if p.requires_grad)
     model = ToyModel(with_bn=False)
     deepspeed.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         config={'train_micro_batch_size_per_gpu': 4, 'zero_optimization': {'stage': 3},
                 'steps_per_print': None, 'zero_allow_untested_optimizer': True})
-    print('RAW', largest_storage_elements(), 'RUNNER', ours, 'BUCKET', bucket, 'LAYER', layer)
+    print('RAW', largest_storage_elements(), 'RUNNER', ours, 'BUCKET', bucket, 'TRAINABLE',
+          trainable)
 
 
 if __name__ == '__main__':

@@ -88,14 +88,15 @@ def test_cli_train_with_launcher_none(tmp_path: Any) -> None:
 
 def test_zero3_reduce_bucket_is_sized_to_the_model(tmp_path: Any) -> None:
     """Pins what DeepSpeed 0.19 does with its default reduce_bucket_size under ZeRO-3 (the
-    whole 5e8-element buffer up front) next to the runner, which sizes it to the largest layer."""
+    whole 5e8-element buffer up front) next to the runner, which holds it to the gradients of
+    a model smaller than one bucket."""
     proc = run_command([sys.executable, 'tests/dist/bucket_worker.py', str(tmp_path)],
                        timeout=180, extra_env=dict(ONE_RANK_ENV, MASTER_PORT=str(free_port())))
     assert proc.returncode == 0, proc.stdout[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith('RAW '))
-    _, raw, _, runner, _, bucket, _, layer = line.split()
+    _, raw, _, runner, _, bucket, _, trainable = line.split()
     assert int(raw) >= 500_000_000, line
-    assert int(bucket) == int(layer), line
+    assert int(bucket) == int(trainable), line
     assert int(runner) < 2**20, line  # nothing near DeepSpeed's default left
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 from torch import nn
 
 from mmengine_deepspeed.config.model_settings import (
+    ZERO3_FLOOR,
     fit_zero3_sizes,
     match_norm_buffers,
     zero3_sizes,
@@ -34,20 +36,33 @@ def test_buffer_dtype_left_alone_without_norm_or_when_set() -> None:
 
 def test_zero3_sizes_follow_the_largest_layer() -> None:
     """Buckets hold the largest layer, two are live, sub-groups are at most 16 per engine;
-    a frozen layer counts for gathering (it is gathered too) but not for the optimizer."""
-    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(32, 8))
+    a frozen layer counts for gathering (it is gathered too) but not for the optimizer.
+    Built on the meta device: the sizes need shapes only."""
+    with torch.device('meta'):
+        model = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 3072), nn.Linear(3072, 8))
+        many = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(40)])
     model[0].requires_grad_(False)
     ds: dict = {'zero_optimization': {'stage': 3}}
     fit_zero3_sizes(ds, model)
-    layer = 64 * 64 + 64
+    layer = 4096 * 4096 + 4096
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert ZERO3_FLOOR < trainable < layer
     assert ds['zero_optimization'] == dict(
-        stage=3, reduce_bucket_size=layer, stage3_prefetch_bucket_size=layer,
+        stage=3, reduce_bucket_size=trainable, stage3_prefetch_bucket_size=layer,
         stage3_max_live_parameters=2 * layer, stage3_max_reuse_distance=2 * layer,
         sub_group_size=layer)
-    big = zero3_sizes(nn.Sequential(*[nn.Linear(64, 64) for _ in range(40)]))
-    assert big['sub_group_size'] == -(-40 * layer // 16) > layer
-    assert trainable < layer
+    sizes = zero3_sizes(many)
+    assert sizes['reduce_bucket_size'] == layer
+    assert sizes['sub_group_size'] == -(-40 * layer // 16) > layer
+
+
+def test_a_small_model_keeps_one_bucket_and_stays_gathered() -> None:
+    model = ToyModel(with_bn=False)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    sizes = zero3_sizes(model)
+    assert sizes['reduce_bucket_size'] == trainable  # one bucket, no larger than the grads
+    assert sizes['stage3_max_live_parameters'] == 2 * ZERO3_FLOOR
+    assert sizes['sub_group_size'] == ZERO3_FLOOR
 
 
 def test_zero3_sizes_keep_each_explicit_value() -> None:
