@@ -114,6 +114,7 @@ class DeepSpeedRunner(CheckpointMethods):
         self.engine_specs.resolve(world_size=None)
         for spec in self.engine_specs:
             check_nvme(spec.ds_config)
+        compile_options(cfg.get('compile') if cfg is not None else None)  # a bad value, early
         self._weights_initialized = False
         self._engines_wanted = False  # build_optim_wrapper builds engines (inside train())
         self._taken: dict[str, Any] = {}  # cfg keys train() does itself (see _train)

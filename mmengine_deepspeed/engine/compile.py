@@ -5,7 +5,9 @@ DeepSpeed that drags the engine's hooks, bookkeeping and collectives into
 dynamo's graph (ZeRO-2 dies building guards, ZeRO-3 recompiles until dynamo
 gives up). DeepSpeed's ``engine.compile()`` compiles the module inside the
 engine instead (``nn.Module.compile``), so the forward (and, through
-AOTAutograd, its backward) is compiled and the engine stays eager around it.
+AOTAutograd, its backward) is compiled and the engine stays eager around it
+(under ZeRO-3 dynamo also traces DeepSpeed's per-module hooks, breaking the
+graph around them).
 A model with several engines has each optimizer's submodule compiled, which
 is what its own ``train_step`` calls.
 """
