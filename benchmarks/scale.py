@@ -15,7 +15,7 @@ whose training peak stays within ``--budget-gib`` per rank is named for each cas
 plots memory against parameters.
 
     python benchmarks/scale.py [--sizes 512x16,768x16,1024x16,1280x20] [--budget-gib 8]
-                               [--plot benchmarks/scale.png] [--smoke]
+                               [--plot benchmarks/scale.png] [--cold] [--smoke]
 """
 from __future__ import annotations
 
@@ -50,12 +50,14 @@ def theory_mb(case: str, params: int, world: int) -> float:
     return 16 * params / (world if CASES[case][0] == 3 else 1) / MIB
 
 
-def measure(sizes: list[tuple[int, int]], cases: list[str], steps: int) -> list[dict]:
+def measure(sizes: list[tuple[int, int]], cases: list[str], steps: int,
+            cold: bool = False) -> list[dict]:
     results: list[dict[str, Any]] = []
     for width, depth in sizes:
         for case in cases:
             try:
-                result = torchrun(WORKER, [case, str(width), str(depth), str(steps)],
+                result = torchrun(WORKER, [case, str(width), str(depth), str(steps),
+                                           *(['--cold'] if cold else [])],
                                   nproc=device_ranks(), timeout=3600)[0]
             except RuntimeError as e:  # killed (out of memory) or failed
                 print(f'{case} {width}x{depth}: did not finish ({str(e).splitlines()[0]})',
@@ -108,13 +110,15 @@ def main() -> None:
     parser.add_argument('--budget-gib', type=float, default=8.0)
     parser.add_argument('--plot', default=osp.join(osp.dirname(osp.abspath(__file__)),
                                                    'scale.png'))
+    parser.add_argument('--cold', action='store_true',
+                        help="no warm-up runner: each figure is a fresh process's first runner")
     parser.add_argument('--smoke', action='store_true', help='seconds-long run for CI')
     args = parser.parse_args()
     sizes = [tuple(int(v) for v in s.split('x')) for s in args.sizes.split(',')]
     cases, steps, budget_mb = args.cases.split(','), args.steps, args.budget_gib * 1024
     if args.smoke:
         sizes, cases, steps = [(64, 2)], ['zero0', 'zero3_init'], 1
-    results = measure(sizes, cases, steps)  # type: ignore[arg-type]
+    results = measure(sizes, cases, steps, cold=args.cold)  # type: ignore[arg-type]
     rows = []
     for r in results:
         if r.get('failed'):

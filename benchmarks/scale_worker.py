@@ -1,13 +1,15 @@
 """One rank of the scale benchmark: build a TinyGPT with DeepSpeedRunner, train, report memory.
 
-Usage: ``scale_worker.py CASE WIDTH DEPTH STEPS``, CASE one of ``scale.CASES``.
+Usage: ``scale_worker.py CASE WIDTH DEPTH STEPS [--cold]``, CASE one of ``scale.CASES``.
 Rank 0 prints ``RESULT {json}`` with the maximum over ranks of:
 
 * ``construct_mb``: peak memory rise while ``DeepSpeedRunner.from_cfg`` builds
   the model (on CPU the peak RSS, VmHWM, reset first; on CUDA the allocator's
   peak), after a warm-up runner around a one-block model has paid for what
   costs the same at any size (process group, DeepSpeed's communication
-  buffers, imports);
+  buffers, imports); with ``--cold`` there is no warm-up runner: the figure is
+  a user's first runner in a fresh process, which also pays those (and cannot
+  reuse heap a warm-up runner freed);
 * ``train_mb``: the peak rise from the same starting point through building the
   engine and ``STEPS`` training steps;
 * ``steady_mb``: what is held after the steps (CPU: RSS after glibc's
@@ -104,7 +106,8 @@ def config(case: str, width: int, depth: int, steps: int, work_dir: str) -> dict
 def main() -> None:
     case, (width, depth, steps) = sys.argv[1], map(int, sys.argv[2:5])
     with tempfile.TemporaryDirectory() as work_dir:
-        DeepSpeedRunner.from_cfg(Config(config(case, width, 1, steps, work_dir)))
+        if '--cold' not in sys.argv[5:]:
+            DeepSpeedRunner.from_cfg(Config(config(case, width, 1, steps, work_dir)))
         base = reset_peak()
         runner = DeepSpeedRunner.from_cfg(Config(config(case, width, depth, steps, work_dir)))
         construct = peak() - base
