@@ -156,6 +156,26 @@ def torchrun(script: str, args: list[str], nproc: int = 2, timeout: float = 900)
             if line.startswith('RESULT ')]
 
 
+def deepspeed_estimate_mib(stage: int, params: int, largest: int, world: int,
+                           zero_init: bool = True, offload: bool = False) -> Optional[float]:
+    """DeepSpeed's model-states estimate for one rank on one node, MiB: device plus this
+    rank's share of the host (``estimate_zero2/3_model_states_mem_needs``, what the
+    ``..._all_live`` functions print; they assume 16-bit parameters and Adam). None for
+    ZeRO-0/1, which DeepSpeed does not estimate."""
+    if stage == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+        host, device = estimate_zero2_model_states_mem_needs(
+            params, num_gpus_per_node=world, num_nodes=1, cpu_offload=offload)
+    elif stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        host, device, _ = estimate_zero3_model_states_mem_needs(
+            params, largest, num_gpus_per_node=world, num_nodes=1, cpu_offload=offload,
+            cpu_offload_params=offload, zero_init=zero_init)
+    else:
+        return None
+    return (device + host / world) / 2**20
+
+
 def spread(values: list[float]) -> str:
     """``min / median / max`` of per-round ratios."""
     return f'{min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}'

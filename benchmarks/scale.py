@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from benchmarks.common import device_ranks, table, torchrun
+from benchmarks.common import deepspeed_estimate_mib, device_ranks, table, torchrun
 from benchmarks.scale_worker import CASES
 
 WORKER = osp.join(osp.dirname(osp.abspath(__file__)), 'scale_worker.py')
@@ -36,13 +36,8 @@ MIB = 2**20
 def deepspeed_estimate_mb(case: str, params: int, largest: int, world: int) -> Optional[float]:
     """DeepSpeed's ZeRO-3 estimate for one rank (device + its share of the host), MiB."""
     stage, zero_init, offload = CASES[case]
-    if stage != 3:
-        return None
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    host, device, _ = estimate_zero3_model_states_mem_needs(
-        params, largest, num_gpus_per_node=world, num_nodes=1, cpu_offload=offload,
-        cpu_offload_params=offload, zero_init=zero_init)
-    return (device + host / world) / MIB
+    return deepspeed_estimate_mib(stage, params, largest, world, zero_init=zero_init,
+                                  offload=offload)
 
 
 def theory_mb(case: str, params: int, world: int) -> float:

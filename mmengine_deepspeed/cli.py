@@ -1,4 +1,4 @@
-"""``mmengine-deepspeed``: train, demo, plot, convert, inspect.
+"""``mmengine-deepspeed``: train, plan, demo, plot, convert, inspect.
 
 ``train CONFIG`` is the OpenMMLab ``tools/train.py`` with DeepSpeedRunner as the
 default runner. With ``--nproc N`` it starts N local processes itself (PyTorch's
@@ -38,6 +38,20 @@ def build_parser() -> argparse.ArgumentParser:
                        default='none', help='how the processes were started')
     train.add_argument('--cfg-options', nargs='+', action=DictAction, default={},
                        help='override config keys, e.g. train_cfg.max_iters=10')
+    plan = sub.add_parser('plan', help='per-rank memory of a config under each ZeRO stage and '
+                                       'offload, before launching')
+    plan.add_argument('config', help='the MMEngine config file')
+    plan.add_argument('--nproc', type=int, default=1, help='ranks per node (default 1)')
+    plan.add_argument('--nnodes', type=int, default=1, help='nodes (default 1)')
+    plan.add_argument('--device-memory', type=float, metavar='GiB',
+                      help="memory per rank (default: the GPU's, or this machine's over --nproc)")
+    plan.add_argument('--host-memory', type=float, metavar='GiB',
+                      help="host memory per node for offload (default: this machine's)")
+    plan.add_argument('--zero', type=int, choices=[0, 1, 2, 3], help='ZeRO stage override')
+    plan.add_argument('--ds-config', metavar='FILE', help='a DeepSpeed JSON config')
+    plan.add_argument('--cfg-options', nargs='+', action=DictAction, default={},
+                      help='override config keys, e.g. train_dataloader.batch_size=8')
+    plan.add_argument('--json', action='store_true', help='print the plan as JSON')
     demo = sub.add_parser('demo', help='train a tiny GPT on the stdlib source (about a minute)')
     demo.add_argument('--nproc', type=int, default=2)
     demo.add_argument('--zero', type=int, choices=[0, 1, 2, 3], default=3)
@@ -176,9 +190,28 @@ def describe(path: str) -> str:
     return '\n'.join(lines)
 
 
+def print_plan(args: argparse.Namespace) -> Any:
+    """``plan``: the config as ``train`` would resolve it, planned and printed."""
+    import json
+
+    import mmengine_deepspeed  # noqa: F401  registers DeepSpeed's optimizers and constructors
+
+    from .plan import make_plan
+    from .plan.report import plan_text
+
+    cfg = load_train_config(args.config, None, 'none', args.cfg_options, zero=args.zero,
+                            ds_config=args.ds_config)
+    plan = make_plan(cfg, nproc=args.nproc, nnodes=args.nnodes,
+                     device_memory_gib=args.device_memory, host_memory_gib=args.host_memory)
+    print(json.dumps(plan.as_json(), indent=2) if args.json else plan_text(plan))
+    return plan
+
+
 def _run(args: argparse.Namespace) -> Any:
     if args.command == 'train':
         return train(args)
+    if args.command == 'plan':
+        return print_plan(args)
     if args.command == 'demo':
         from .demo.run import run_demo
 

@@ -187,6 +187,13 @@ def module_hook_dicts(module: nn.Module) -> tuple[dict, ...]:
             module._backward_hooks)
 
 
+def storage_key(tensor: torch.Tensor) -> int:
+    """One number per storage, alike for every view of it, also on the meta device (where
+    data_ptr() is 0 for all): the StorageImpl's address. torch has no public identity for a
+    storage; pinned by tests/unit/test_compat.py."""
+    return int(tensor.untyped_storage()._cdata)
+
+
 def cpu_probes() -> list[Callable[[], bool]]:
     """torch's CPU feature probes for native bf16 (AVX512-BF16, AMX); private in torch.cpu,
     pinned against /proc/cpuinfo by tests/unit/test_upstream_traps.py."""

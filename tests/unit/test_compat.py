@@ -39,3 +39,15 @@ def test_the_public_history_of_a_buffer_is_what_we_save() -> None:
     buffer = HistoryBuffer([1.0, 2.0], [1, 1], max_length=5)
     assert [float(v) for v in buffer.data[0]] == [1.0, 2.0]
     assert [float(v) for v in buffer.data[1]] == [1.0, 1.0]
+
+
+def test_storage_key_is_one_per_storage_also_on_meta() -> None:
+    """plan counts saved activations once per storage (views share one)."""
+    import torch
+
+    for device in ('meta', 'cpu'):
+        base = torch.empty(4, 6, device=device)
+        other = torch.empty(4, 6, device=device)
+        views = (base.view(6, 4), base.t(), base[1:], base.split(2, dim=1)[1])
+        assert {compat.storage_key(v) for v in views} == {compat.storage_key(base)}
+        assert compat.storage_key(other) != compat.storage_key(base)

@@ -1,0 +1,175 @@
+"""Activation memory of one training step, from one real batch of the train dataloader.
+
+The model's own ``train_step`` runs on the meta-device model with the batch
+as the loop hands it over; its ``data_preprocessor`` runs for real (built on
+the CPU from the config) and hands meta tensors on. Every tensor autograd
+saves for backward is counted by its storage's size, none is allocated; the
+optim wrappers are stand-ins that count each forward up to its backward.
+Modules the config lists under ``activation_checkpointing`` are checkpointed
+as training checkpoints them (only their inputs are saved).
+A model whose forward needs values (``.item()``, data-dependent shapes) cannot
+run on the meta device; then the model is built for real in this process and
+the same count is taken from a real training step (a one-process probe).
+"""
+from __future__ import annotations
+
+import copy
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from mmengine.config import Config
+from mmengine.registry import MODELS
+from mmengine.runner import Runner
+from mmengine.runner.activation_checkpointing import turn_on_activation_checkpointing
+from torch import nn
+from typing_extensions import override
+
+from ..compat import storage_key
+from ..engine.spec import SINGLE_ENGINE
+
+
+@dataclass
+class Activations:
+    """What one training step saves for backward at ``micro_batch`` samples.
+
+    Args:
+        float_bytes (int): Bytes of floating tensors, as traced in the model's
+            own dtype (scaled to the compute dtype by the planner).
+        other_bytes (int): Bytes of integer and boolean tensors (indices, masks).
+        float_size (int): Element size the floating tensors were traced in.
+        micro_batch (int): Samples in the traced batch.
+        method (str): ``'traced'`` (meta device) or ``'probe'`` (a real forward).
+        note (str, optional): Why tracing failed, for a probe.
+    """
+
+    float_bytes: int
+    other_bytes: int
+    float_size: int
+    micro_batch: int
+    method: str
+    note: Optional[str] = None
+
+    def bytes_at(self, micro_batch: int, element_size: int) -> float:
+        """Saved bytes at ``micro_batch`` samples with floats of ``element_size`` bytes."""
+        scale = micro_batch / self.micro_batch
+        return scale * (self.float_bytes * element_size / self.float_size + self.other_bytes)
+
+
+def _to(value: Any, device: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    if hasattr(value, 'to') and callable(value.to):  # MMEngine's data elements
+        return value.to(device)
+    return value
+
+
+class _OnMeta(nn.Module):
+    """The config's data_preprocessor, run for real on the CPU, its output moved to meta."""
+
+    def __init__(self, preprocessor: nn.Module):
+        super().__init__()
+        self.preprocessor = preprocessor
+
+    @override
+    def forward(self, data: Any, training: bool = False) -> Any:
+        return _to(self.preprocessor(data, training), 'meta')
+
+
+class _Recorder:
+    """Counts saved tensors once per storage, and stands in for the optim wrapper(s)
+    ``train_step`` is given: each ``update_params`` (or ``backward``) closes one forward's
+    count, since its backward frees those activations before the step's next forward (a
+    GAN runs several)."""
+
+    def __init__(self, model: nn.Module):
+        self.params = {storage_key(p) for p in model.parameters()}
+        self.current: dict[int, tuple[int, bool]] = {}
+        self.segments: list[tuple[int, int]] = []
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = storage_key(tensor)
+        if key not in self.params:
+            self.current[key] = (tensor.untyped_storage().nbytes(), tensor.is_floating_point())
+        return tensor
+
+    def largest(self) -> tuple[int, int]:
+        """(float bytes, other bytes) of the forward that saved the most."""
+        if self.current:  # a step that never called the optim wrapper
+            self.backward()
+        return max(self.segments, key=sum, default=(0, 0))
+
+    def optim_context(self, *_: Any) -> AbstractContextManager:
+        return nullcontext()
+
+    def backward(self, *_: Any, **__: Any) -> None:
+        floats = sum(size for size, is_float in self.current.values() if is_float)
+        self.segments.append((floats, sum(size for size, _ in self.current.values()) - floats))
+        self.current.clear()
+
+    def update_params(self, *_: Any, **__: Any) -> None:
+        self.backward()
+
+    def step(self, *_: Any, **__: Any) -> None:
+        """Nothing to step: only activations are counted."""
+
+    def zero_grad(self, *_: Any, **__: Any) -> None:
+        """Nothing to clear."""
+
+
+def one_batch(cfg: Config) -> Any:
+    """One batch of the config's train dataloader, as the loop hands it to ``train_step``."""
+    loader_cfg = copy.deepcopy(cfg.get('train_dataloader'))
+    if not isinstance(loader_cfg, dict):
+        raise ValueError('plan needs the config\'s train_dataloader (one batch is traced).')
+    loader_cfg['num_workers'] = 0
+    loader_cfg.pop('persistent_workers', None)
+    return next(iter(Runner.build_dataloader(loader_cfg, seed=0)))
+
+
+def _count(model: nn.Module, batch: Any, checkpointed: list[str],
+           engines: list[str]) -> tuple[int, int]:
+    """(float bytes, other bytes) one ``train_step`` saves for backward at most at once."""
+    if checkpointed:
+        turn_on_activation_checkpointing(model, checkpointed)
+    model.train()
+    recorder = _Recorder(model)
+    wrapper: Any = recorder if engines == [SINGLE_ENGINE] else {name: recorder for name in engines}
+    with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda tensor: tensor):
+        model.train_step(batch, wrapper)  # type: ignore[operator]  # a BaseModel
+    return recorder.largest()
+
+
+def trace_activations(cfg: Config, model: nn.Module, batch: Any, micro_batch: int,
+                      engines: list[str]) -> Activations:
+    """Count what one training step saves, on the meta-device ``model``; probe when it cannot.
+
+    Args:
+        cfg (Config): The training config (its model, data_preprocessor,
+            activation_checkpointing).
+        model (nn.Module): The config's model on the meta device (used up: hooks,
+            checkpoint wrappers).
+        batch (Any): :func:`one_batch`.
+        micro_batch (int): Samples in ``batch``.
+        engines (list[str]): The engines' names (the optim wrappers ``train_step`` gets).
+    """
+    checkpointed = cfg.get('activation_checkpointing') or []
+    checkpointed = [checkpointed] if isinstance(checkpointed, str) else list(checkpointed)
+    float_size = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    preprocessor_cfg = cfg.model.get('data_preprocessor') or dict(type='BaseDataPreprocessor')
+    model.data_preprocessor = _OnMeta(MODELS.build(preprocessor_cfg))
+    try:
+        floats, others = _count(model, batch, checkpointed, engines)
+        return Activations(floats, others, float_size, micro_batch, 'traced')
+    except Exception as e:  # any forward may need values the meta device lacks
+        note = f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'.strip(': ')
+    real = MODELS.build(cfg.model)
+    floats, others = _count(real, batch, checkpointed, engines)
+    return Activations(floats, others, float_size, micro_batch, 'probe',
+                       f'tracing on the meta device failed ({note}); measured with one real '
+                       'training step in this process instead')

@@ -1,0 +1,133 @@
+"""The model of a config, counted without its weights: parameters, engines, optimizer states.
+
+The model is built on the meta device (shapes and dtypes, no storage), and
+MMEngine's own optimizer factory builds the config's optimizer(s) on it, so
+``paramwise_cfg``, frozen parameters and several optimizers (one engine
+each, as the runner builds them) are counted as training will see them.
+"""
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from mmengine.config import Config
+from mmengine.optim import build_optim_wrapper
+from mmengine.registry import MODELS, init_default_scope
+from torch import nn
+from torch.optim import Optimizer
+
+from ..engine.build import owned_submodules
+from ..engine.spec import as_plain_wrappers, named_optimizers
+
+# fp32 values per trained element, for optimizers a one-element step cannot
+# count here (DeepSpeed's fused and CPU optimizers need their compiled ops).
+KNOWN_STATES = {'adam': 2, 'lamb': 2, 'lion': 1, 'adagrad': 1, 'muon': 1}
+
+
+@dataclass
+class EngineCensus:
+    """What one engine holds and steps.
+
+    Args:
+        name (str): The engine's name (``'model'`` for one optimizer).
+        path (str): The submodule it is built around (``''``: the model).
+        numels (list[int]): Every parameter's number of elements.
+        trainable (int): Elements its optimizer steps.
+        dtypes (dict[str, int]): Elements by dtype as built.
+        largest_layer (int): The most parameters one module holds itself.
+        optimizer (str): The optimizer's class name ('' without one).
+        states (int): fp32 values the optimizer keeps per trained element.
+        states_note (str, optional): How ``states`` was found, when assumed.
+    """
+
+    name: str
+    path: str
+    numels: list[int]
+    trainable: int
+    dtypes: dict[str, int]
+    largest_layer: int
+    optimizer: str = ''
+    states: int = 0
+    states_note: Optional[str] = None
+
+    @property
+    def params(self) -> int:
+        """All parameters of the engine's module."""
+        return sum(self.numels)
+
+    @property
+    def frozen(self) -> int:
+        """Parameters no optimizer steps (they stay in the compute dtype)."""
+        return self.params - self.trainable
+
+    def at_most(self, threshold: int) -> int:
+        """Elements of the parameters of at most ``threshold`` elements each."""
+        return sum(n for n in self.numels if n <= threshold)
+
+
+def meta_model(cfg: Config) -> nn.Module:
+    """The config's model on the meta device (no weight allocated, no init run)."""
+    init_default_scope(cfg.get('default_scope') or 'mmengine')
+    model_cfg = cfg.get('model')
+    if not isinstance(model_cfg, dict):
+        raise ValueError('plan needs the config\'s "model" as a dict (type=...), as '
+                         'tools/train.py builds it.')
+    with torch.device('meta'):
+        return MODELS.build(model_cfg)
+
+
+def optimizer_states(optimizer: Optimizer) -> tuple[int, Optional[str]]:
+    """fp32 values ``optimizer`` keeps per element: one step of its class on 8 elements.
+
+    Returns:
+        tuple[int, str | None]: The count, and a note when it was assumed.
+    """
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    options = {k: v for k, v in group.items() if k != 'params' and k in accepted}
+    probe = torch.zeros(8, requires_grad=True)
+    try:
+        stepper = cls([probe], **options)
+        probe.grad = torch.ones(8)
+        stepper.step()
+        return sum(v.numel() // 8 for v in stepper.state[probe].values()
+                   if isinstance(v, torch.Tensor) and v.numel() >= 8), None
+    except Exception as e:  # any optimizer may refuse to run here
+        name = cls.__name__.lower()
+        states = next((n for key, n in KNOWN_STATES.items() if key in name), 2)
+        return states, (f'{cls.__name__} could not step here ({type(e).__name__}); '
+                        f'assumed {states} state(s) per element')
+
+
+def census(cfg: Config, model: nn.Module) -> list[EngineCensus]:
+    """One :class:`EngineCensus` per engine the runner would build for ``cfg``'s training."""
+    optim_cfg = cfg.get('optim_wrapper')
+    if optim_cfg is None:
+        raise ValueError('plan needs the config\'s optim_wrapper (what training steps).')
+    optimizers = named_optimizers(build_optim_wrapper(model, as_plain_wrappers(optim_cfg)))
+    engines = []
+    for name, path in owned_submodules(model, optimizers).items():
+        module = model.get_submodule(path) if path else model
+        optimizer = optimizers[name]
+        stepped = {id(p) for g in optimizer.param_groups for p in g['params'] if p.requires_grad}
+        params = list(module.parameters())
+        states, note = optimizer_states(optimizer)
+        engines.append(EngineCensus(
+            name=name, path=path, numels=[p.numel() for p in params],
+            trainable=sum(p.numel() for p in params if id(p) in stepped),
+            dtypes=dict(_by_dtype(params)),
+            largest_layer=max((sum(p.numel() for p in m.parameters(recurse=False))
+                               for m in module.modules()), default=0),
+            optimizer=type(optimizer).__name__, states=states, states_note=note))
+    return engines
+
+
+def _by_dtype(params: list[Any]) -> Counter:
+    counts: Counter = Counter()
+    for p in params:
+        counts[str(p.dtype).replace('torch.', '')] += p.numel()
+    return counts

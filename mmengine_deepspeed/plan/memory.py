@@ -1,0 +1,144 @@
+"""Bytes per rank for one engine layout: DeepSpeed's model states, buffers and transients.
+
+One :class:`Layout` (ZeRO stage, offload, precision, ranks, micro-batch) and
+an engine's census give the parts DeepSpeed 0.19 allocates on each rank, as
+its ZeRO optimizers lay them out (``stage_1_and_2.py``, ``stage3.py``,
+``bf16_optimizer.py``). The peak is the larger of two moments of a step:
+backward (activations and gradients being produced, buckets filling) and the
+optimizer step (states and transients of the step).
+
+On CUDA the figure is what the allocator counts (``max_memory_allocated``);
+a bucket counts whole. On the CPU it is the process's RSS, in which a bucket
+counts only as far as gradients are written into it (untouched pages of
+``torch.empty`` are not resident), and freed memory that glibc keeps in its
+heap stays counted: :data:`CPU_HEAP_KEPT` models that from measurements.
+"""
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass
+
+from .activations import Activations
+from .census import EngineCensus
+
+MIB = 2**20
+# DeepSpeed 0.19's defaults, in elements.
+REDUCE_BUCKET = 500_000_000
+ALLREDUCE_BUCKET = 500_000_000  # ZeRO-0's gradient all-reduce (engine.MEMORY_OPT_ALLREDUCE_SIZE)
+PERSISTENCE = 100_000
+# On the CPU, freed gradient, gathered-parameter and optimizer temporaries stay in glibc's heap
+# (its mmap threshold rises to each freed block's size, up to 32 MiB): the fraction of a step's
+# transient bytes the RSS keeps, measured with benchmarks/plan_accuracy.py (RESULTS.md).
+CPU_HEAP_KEPT = 0.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one planned run lays out its engines.
+
+    Args:
+        stage (int): ZeRO stage.
+        offload_optimizer (bool): Optimizer states and master weights on the host.
+        offload_param (bool): Parameters on the host (ZeRO-3).
+        compute_bytes (int): Element size of parameters and activations (4 fp32, 2 bf16/fp16).
+        ranks (int): Data-parallel ranks.
+        micro_batch (int): Samples per rank per step.
+        cuda (bool): Device memory is the CUDA allocator's (else host RSS).
+    """
+
+    stage: int
+    offload_optimizer: bool
+    offload_param: bool
+    compute_bytes: int
+    ranks: int
+    micro_batch: int
+    cuda: bool
+
+
+@dataclass
+class Breakdown:
+    """Bytes on one rank at the moments of a step that can hold the peak.
+
+    Args:
+        held (float): Held all step long: parameters, master weights, optimizer states,
+            buffers allocated once.
+        backward (float): Beside ``held`` during backward, besides activations: buckets
+            filling, gathered parameters, gradients being produced.
+        after_backward (float): Beside ``held`` once backward is done: gradients and
+            the buffers that reduce them.
+        step (float): Beside ``held`` during the optimizer step.
+        host (float): Offloaded to the host (optimizer, parameters).
+    """
+
+    held: float = 0.0
+    backward: float = 0.0
+    after_backward: float = 0.0
+    step: float = 0.0
+    host: float = 0.0
+
+    def __add__(self, other: Breakdown) -> Breakdown:
+        return Breakdown(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    def peak(self, activations: float) -> float:
+        """The device's peak over the step, with ``activations`` saved for backward."""
+        return self.held + max(self.backward + activations, self.after_backward, self.step)
+
+
+def engine_bytes(engine: EngineCensus, layout: Layout, zero: dict) -> Breakdown:
+    """One engine's bytes on one rank under ``layout``.
+
+    Args:
+        engine (EngineCensus): What the engine holds and steps.
+        layout (Layout): The row being planned.
+        zero (dict): The resolved ``zero_optimization`` section (bucket sizes, limits).
+    """
+    n, p = layout.ranks, layout.compute_bytes
+    psi, phi, k = engine.params, engine.trainable, engine.states
+    layer = engine.largest_layer
+    mixed = p != 4
+    states, master = 4.0 * k * phi / (n if layout.stage else 1), 4.0 * phi / (n or 1)
+
+    def touched(elements: float) -> float:
+        # a bucket of `elements`; on the CPU only what gradients are written into is resident
+        return elements if layout.cuda else min(elements, phi)
+
+    if layout.stage == 0:
+        # DeepSpeed's bf16 optimizer keeps fp32 master weights and fp32 gradients beside the
+        # 16-bit ones; fp32 training steps the parameters themselves
+        held = p * psi + states + (8.0 * phi if mixed else 0.0)
+        all_reduce = p * min(phi, ALLREDUCE_BUCKET)  # the flattened gradients
+        out = Breakdown(held, p * layer, p * phi + all_reduce, p * phi + 4.0 * layer)
+    elif layout.stage in (1, 2):
+        bucket = touched(int(zero.get('reduce_bucket_size', REDUCE_BUCKET)))
+        buckets = (4 if layout.stage == 1 else p) * bucket * (2 if zero.get('overlap_comm') else 1)
+        # ZeRO-1 keeps every gradient until the boundary, ZeRO-2 only its fp32 partition
+        grads = p * phi if layout.stage == 1 else 0.0
+        held = p * psi + master + states
+        partition = 4.0 * phi / n
+        out = Breakdown(held, buckets + grads + partition, buckets + grads + partition,
+                        partition + 4.0 * min(layer, phi / n))
+    else:
+        whole = engine.at_most(int(zero.get('stage3_param_persistence_threshold', PERSISTENCE)))
+        live = min(float(zero.get('stage3_max_live_parameters', 10**9)), psi - whole)
+        prefetch = min(float(zero.get('stage3_prefetch_bucket_size', 50_000_000)), psi - whole)
+        reduce = touched(int(zero.get('reduce_bucket_size', REDUCE_BUCKET)))
+        sub_group = min(float(zero.get('sub_group_size', 10**9)), phi / n)
+        # the partitioned parameters, an fp32 master partition, the optimizer's states and
+        # the flat buffer of this rank's gradient partitions, all allocated by initialize
+        held = p * (whole + (psi - whole) / n) + master + states + p * phi / n
+        gathered = p * (max(live, layer) + prefetch)
+        out = Breakdown(held, gathered + p * reduce, gathered + p * reduce,
+                        8.0 * sub_group)  # one sub-group's fp32 gradients and update
+    if layout.offload_optimizer:
+        moved = master + states
+        out.held -= moved
+        out.host += moved + 4.0 * phi / n  # and a pinned fp32 gradient partition
+    if layout.offload_param and layout.stage == 3:
+        moved = p * (psi - engine.at_most(PERSISTENCE)) / n
+        out.held -= moved
+        out.host += moved
+    return out
+
+
+def activation_bytes(activations: Activations, layout: Layout) -> float:
+    """Activations saved for backward at the layout's micro-batch and compute dtype."""
+    return activations.bytes_at(layout.micro_batch, layout.compute_bytes)

@@ -1,0 +1,238 @@
+"""``mmengine-deepspeed plan``: per-rank memory of a config under every ZeRO stage and offload.
+
+From the config as ``train`` resolves it, without allocating the model's
+weights and without a process group: the census (``census.py``), one traced
+training step (``activations.py``) and DeepSpeed's layout (``memory.py``) give,
+for each row (ZeRO 0-3 x offload), the predicted peak on one rank (what the
+training log reports as ``peak_mem_mb``: the CUDA allocator's peak, or the
+process's peak RSS on the CPU), the host memory per node that offload needs,
+whether it fits, the largest micro-batch that fits, and the fastest row that
+fits as ds_config lines.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import os.path as osp
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Optional
+
+from mmengine.config import Config
+
+from ..config.model_settings import fit_zero3_sizes
+from ..dist import cuda_available
+from ..engine.spec import EngineSpecs, mmengine_settings
+from .activations import Activations, one_batch, trace_activations
+from .census import EngineCensus, census, meta_model
+from .memory import CPU_HEAP_KEPT, MIB, Breakdown, Layout, activation_bytes, engine_bytes
+
+# (stage, offload optimizer, offload parameters), fastest first: the recommendation is the
+# first that fits (a lower stage communicates less; offload moves every step over PCIe).
+ROWS = [(0, False, False), (1, False, False), (2, False, False), (3, False, False),
+        (1, True, False), (2, True, False), (3, True, False), (3, True, True)]
+# What the CPU runtime adds to the planning process's own RSS once training runs (process
+# group, DeepSpeed's engine and ZeRO modules, the runner's hooks and logs): measured with
+# benchmarks/plan_accuracy.py on 2 CPU ranks (RESULTS.md).
+CPU_RUNTIME_MIB = {0: 40.0, 1: 90.0, 2: 90.0, 3: 90.0}
+# zero.Init's fixed cost beyond the partitions (measured: scale.py --cold, RESULTS.md).
+ZERO_INIT_FIXED_MIB = 60.0
+MAX_MICRO_BATCH = 1 << 20
+
+
+@dataclass
+class Row:
+    """One planned configuration (the JSON row)."""
+
+    stage: int
+    offload_optimizer: str
+    offload_param: str
+    micro_batch: int
+    peak_mib: float
+    host_mib: float
+    construct_mib: float
+    fits: bool
+    max_micro_batch: int
+
+
+@dataclass
+class Plan:
+    """Everything ``plan`` prints."""
+
+    nproc: int
+    nnodes: int
+    platform: str
+    precision: str
+    device_mib: float
+    host_mib: float
+    fixed_mib: float
+    engines: list[EngineCensus]
+    activations: Activations
+    rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def recommended(self) -> Optional[Row]:
+        """The fastest row that fits, or None."""
+        return next((row for row in self.rows if row.fits), None)
+
+    def as_json(self) -> dict:
+        """The ``--json`` document."""
+        recommended = self.recommended
+        return dict(nproc=self.nproc, nnodes=self.nnodes, platform=self.platform,
+                    precision=self.precision, device_mib=round(self.device_mib, 1),
+                    rows=[asdict(row) for row in self.rows],
+                    recommended=asdict(recommended) if recommended else None,
+                    activations=dict(method=self.activations.method,
+                                     micro_batch=self.activations.micro_batch),
+                    notes=self.notes)
+
+
+def _rss_mib() -> float:
+    with open('/proc/self/status') as status:
+        for line in status:
+            if line.startswith('VmRSS:'):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _total_memory_mib() -> float:
+    with open('/proc/meminfo') as meminfo:
+        for line in meminfo:
+            if line.startswith('MemTotal:'):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError('no MemTotal in /proc/meminfo: give --device-memory and --host-memory')
+
+
+def _configs(cfg: Config, ranks: int) -> dict[str, dict]:
+    """Each engine's ds_config as ``train`` resolves it for ``ranks`` ranks."""
+    filename = getattr(cfg, 'filename', None)
+    specs = EngineSpecs(cfg.get('ds_config'),
+                        osp.dirname(osp.abspath(filename)) if filename else None,
+                        mmengine_settings(cfg.get('train_dataloader'), cfg.get('optim_wrapper'),
+                                          cfg.get('param_scheduler')))
+    specs.resolve(world_size=ranks)
+    return {spec.name: spec.ds_config for spec in specs}
+
+
+def _row_zero(ds_config: dict, stage: int, offload_opt: bool, offload_param: bool,
+              model: Any) -> dict:
+    ds = copy.deepcopy(ds_config)
+    zero = ds.setdefault('zero_optimization', {})
+    zero['stage'] = stage
+    for part, on in (('optimizer', offload_opt), ('param', offload_param)):
+        if on:
+            zero[f'offload_{part}'] = dict(zero.get(f'offload_{part}') or {}, device='cpu')
+        else:
+            zero.pop(f'offload_{part}', None)
+    fit_zero3_sizes(ds, model)
+    return zero
+
+
+def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
+              device_memory_gib: Optional[float] = None,
+              host_memory_gib: Optional[float] = None) -> Plan:
+    """Plan ``cfg`` on ``nproc`` ranks per node and ``nnodes`` nodes.
+
+    Args:
+        cfg (Config): The training config (``train``'s, with its overrides).
+        nproc (int): Ranks per node.
+        nnodes (int): Nodes.
+        device_memory_gib (float, optional): Memory per rank; default the
+            CUDA device's, or on the CPU this machine's memory over ``nproc``.
+        host_memory_gib (float, optional): Host memory per node for offload;
+            default this machine's.
+
+    Returns:
+        Plan: The rows and the recommendation.
+    """
+    if nproc < 1 or nnodes < 1:
+        raise ValueError(f'--nproc {nproc} --nnodes {nnodes}: give at least 1 of each.')
+    ranks = nproc * nnodes
+    cuda = cuda_available()
+    configs = _configs(cfg, ranks)
+    model = meta_model(cfg)
+    engines = census(cfg, model)
+    batch = one_batch(cfg)
+    micro_batch = int(next(iter(configs.values()))['train_micro_batch_size_per_gpu'])
+    gc.collect()
+    fixed = 0.0 if cuda else _rss_mib()
+    activations = trace_activations(cfg, meta_model(cfg), batch, micro_batch,
+                                    [engine.name for engine in engines])
+    precision = next(iter(configs.values()))
+    mode = 'bf16' if precision.get('bf16', {}).get('enabled') else \
+        'fp16' if precision.get('fp16', {}).get('enabled') else 'fp32'
+    compute_bytes = 4 if mode == 'fp32' else 2
+    if device_memory_gib is not None:
+        device_mib = device_memory_gib * 1024
+    elif cuda:
+        import torch
+        device_mib = torch.cuda.get_device_properties(0).total_memory / MIB
+    else:
+        device_mib = _total_memory_mib() / nproc
+    host_mib = host_memory_gib * 1024 if host_memory_gib is not None else _total_memory_mib()
+    plan = Plan(nproc, nnodes, 'cuda' if cuda else 'cpu', mode, device_mib, host_mib, fixed,
+                engines, activations)
+    for stage, offload_opt, offload_param in ROWS:
+        zeros = {name: _row_zero(ds, stage, offload_opt, offload_param, model)
+                 for name, ds in configs.items()}
+        row = _RowModel(engines, zeros, activations, Layout(
+            stage, offload_opt, offload_param, compute_bytes, ranks, micro_batch, cuda),
+            fixed, nproc)
+        predicted, host = row.peak_mib(micro_batch)
+        plan.rows.append(Row(stage, 'cpu' if offload_opt else 'none',
+                             'cpu' if offload_param else 'none', micro_batch,
+                             round(predicted, 1), round(host, 1),
+                             round(construction_mib(engines, stage, ranks, cuda, fixed), 1),
+                             predicted <= device_mib and host <= host_mib,
+                             row.max_micro_batch(device_mib)))
+    for engine in engines:
+        if engine.states_note:
+            plan.notes.append(f'{engine.name}: {engine.states_note}')
+    if activations.note:
+        plan.notes.append(activations.note)
+    return plan
+
+
+@dataclass
+class _RowModel:
+    """One row's bytes as a function of the micro-batch."""
+
+    engines: list[EngineCensus]
+    zeros: dict[str, dict]
+    activations: Activations
+    layout: Layout
+    fixed: float
+    nproc: int
+
+    def peak_mib(self, micro_batch: int) -> tuple[float, float]:
+        """(device peak per rank, host per node), MiB, at ``micro_batch``."""
+        layout = replace(self.layout, micro_batch=micro_batch)
+        total = sum((engine_bytes(e, layout, self.zeros[e.name]) for e in self.engines),
+                    Breakdown())
+        acts = activation_bytes(self.activations, layout)
+        device = total.peak(acts)
+        if not layout.cuda:  # one memory: the host's parts and what glibc keeps count too
+            device += total.host + CPU_HEAP_KEPT * acts + CPU_RUNTIME_MIB[layout.stage] * MIB
+        return self.fixed + device / MIB, total.host * self.nproc / MIB
+
+    def max_micro_batch(self, device_mib: float) -> int:
+        """The largest micro-batch whose peak fits ``device_mib`` (0: none)."""
+        largest, low, high = 0, 1, MAX_MICRO_BATCH
+        while low <= high:  # the peak grows with the micro-batch
+            middle = (low + high) // 2
+            if self.peak_mib(middle)[0] <= device_mib:
+                largest, low = middle, middle + 1
+            else:
+                high = middle - 1
+        return largest
+
+
+def construction_mib(engines: list[EngineCensus], stage: int, ranks: int, cuda: bool,
+                     fixed: float) -> float:
+    """Peak while the runner builds the model: whole, or under zero.Init (ZeRO-3) its partition
+    plus the largest layer whole (each module is whole while it is built) and a fixed cost."""
+    params = sum(4.0 * e.params for e in engines)
+    if stage != 3:
+        return fixed + params / MIB
+    layer = max(4.0 * e.largest_layer for e in engines)
+    return fixed + (params / ranks + layer) / MIB + (0.0 if cuda else ZERO_INIT_FIXED_MIB)

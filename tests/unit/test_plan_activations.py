@@ -1,0 +1,81 @@
+"""plan/activations.py: what one training step saves, traced on meta, or probed for real."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from mmengine.config import Config
+from mmengine.registry import MODELS
+
+import mmengine_deepspeed.demo  # noqa: F401  registers TinyGPT, StdlibText
+import tests.toy_gan  # noqa: F401  registers ToyGAN
+from mmengine_deepspeed.plan.activations import _count, one_batch, trace_activations
+from mmengine_deepspeed.plan.census import census, meta_model
+from tests.helpers import ToyModel
+from tests.toy_gan import gan_config
+
+
+@MODELS.register_module()
+class PlanValueModel(ToyModel):
+    """Branches on a value (a data-dependent forward), which the meta device cannot give."""
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        if float(inputs.abs().sum().item()) < 0:
+            inputs = -inputs
+        return super().forward(inputs, labels, mode)
+
+
+def _gpt(**extra: Any) -> Config:
+    return Config(dict(
+        model=dict(type='TinyGPT', block_size=32, width=64, depth=3, heads=4,
+                   data_preprocessor=dict(type='BaseDataPreprocessor')),
+        train_dataloader=dict(batch_size=4, num_workers=0,
+                              dataset=dict(type='StdlibText', part='train', block_size=32,
+                                           stride=97),
+                              sampler=dict(type='DefaultSampler', shuffle=False),
+                              collate_fn=dict(type='default_collate')),
+        optim_wrapper=dict(optimizer=dict(type='AdamW', lr=1e-3)), **extra))
+
+
+def test_the_meta_trace_counts_what_a_real_step_saves() -> None:
+    cfg = _gpt()
+    batch = one_batch(cfg)
+    traced = trace_activations(cfg, meta_model(cfg), batch, 4, ['model'])
+    real = MODELS.build(cfg.model)
+    floats, others = _count(real, batch, [], ['model'])
+    assert traced.method == 'traced' and traced.note is None
+    # meta's attention decomposes as the math kernel does (it saves the attention weights),
+    # CPU's flash kernel saves less: the trace may count more, never less
+    assert floats > 0 and floats <= traced.float_bytes <= 1.15 * floats
+    assert traced.other_bytes == others
+    # scaled to the micro-batch and the compute dtype
+    assert traced.bytes_at(8, 4) == 2 * traced.bytes_at(4, 4)
+    assert traced.bytes_at(4, 2) == traced.float_bytes / 2 + others
+
+
+def test_activation_checkpointing_saves_less() -> None:
+    plain = _gpt()
+    checkpointed = _gpt(activation_checkpointing=['blocks.0', 'blocks.1', 'blocks.2'])
+    sizes = [trace_activations(cfg, meta_model(cfg), one_batch(cfg), 4, ['model']).float_bytes
+             for cfg in (plain, checkpointed)]
+    assert sizes[1] < 0.5 * sizes[0]
+
+
+def test_a_forward_that_needs_values_is_probed_for_real_and_says_why() -> None:
+    cfg = Config(dict(model=dict(type='PlanValueModel'), optim_wrapper=dict(
+        optimizer=dict(type='SGD', lr=0.1)), train_dataloader=dict(
+            batch_size=4, num_workers=0, dataset=dict(type='ToyDataset', size=8),
+            sampler=dict(type='DefaultSampler', shuffle=False),
+            collate_fn=dict(type='default_collate'))))
+    acts = trace_activations(cfg, meta_model(cfg), one_batch(cfg), 4, ['model'])
+    assert acts.method == 'probe' and acts.float_bytes > 0
+    assert acts.note is not None and 'meta' in acts.note
+
+
+def test_a_custom_train_step_with_several_optimizers_counts_its_largest_forward() -> None:
+    cfg = Config(gan_config('/tmp/unused'))
+    model = meta_model(cfg)
+    names = [e.name for e in census(cfg, model)]
+    acts = trace_activations(cfg, meta_model(cfg), one_batch(cfg), 4, names)
+    assert acts.method == 'traced' and acts.float_bytes > 0

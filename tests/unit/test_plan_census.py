@@ -1,0 +1,71 @@
+"""plan/census.py: the model counted on the meta device, engines and optimizer states."""
+from __future__ import annotations
+
+import pytest
+import torch
+from mmengine.config import Config
+
+import tests.toy_gan  # noqa: F401  registers ToyGAN
+from mmengine_deepspeed.plan.census import census, meta_model, optimizer_states
+from tests.helpers import toy_config
+from tests.toy_gan import gan_config
+
+
+def _cfg(**optimizer: object) -> Config:
+    cfg = Config(toy_config('/tmp/unused'))
+    if optimizer:
+        cfg.optim_wrapper = dict(optimizer=optimizer)
+    return cfg
+
+
+def test_the_model_is_built_on_meta_and_frozen_parameters_are_not_trained() -> None:
+    cfg = _cfg(type='AdamW', lr=1e-3)
+    model = meta_model(cfg)
+    assert {p.device.type for p in model.parameters()} == {'meta'}
+    (engine,) = census(cfg, model)
+    whole = sum(p.numel() for p in model.parameters())
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert frozen > 0
+    assert (engine.name, engine.path, engine.params, engine.frozen) == ('model', '', whole, frozen)
+    assert engine.trainable == whole - frozen
+    assert engine.largest_layer == max(sum(p.numel() for p in m.parameters(recurse=False))
+                                       for m in model.modules())
+    assert engine.dtypes == {'float32': whole}
+
+
+@pytest.mark.parametrize('optimizer, states', [
+    (dict(type='SGD', lr=0.1), 0),
+    (dict(type='SGD', lr=0.1, momentum=0.9), 1),
+    (dict(type='AdamW', lr=1e-3), 2),
+    (dict(type='Adam', lr=1e-3, amsgrad=True), 3),
+    (dict(type='Adagrad', lr=1e-2), 1),
+])
+def test_optimizer_states_are_counted_by_one_real_step(optimizer: dict, states: int) -> None:
+    cfg = _cfg(**optimizer)
+    (engine,) = census(cfg, meta_model(cfg))
+    assert (engine.optimizer, engine.states, engine.states_note) == \
+        (optimizer['type'], states, None)
+
+
+def test_an_optimizer_that_cannot_step_here_is_assumed_by_name_with_a_note() -> None:
+    class FusedLambLike(torch.optim.Optimizer):
+        def __init__(self, params: object, lr: float = 1e-3):
+            super().__init__(params, dict(lr=lr))
+
+        def step(self, closure: object = None) -> None:
+            raise RuntimeError('needs its CUDA kernel')
+
+    states, note = optimizer_states(FusedLambLike([torch.zeros(2, requires_grad=True)]))
+    assert states == 2 and note is not None and 'FusedLambLike' in note
+
+
+def test_several_optimizers_are_one_engine_each_around_their_submodule() -> None:
+    cfg = Config(gan_config('/tmp/unused'))
+    model = meta_model(cfg)
+    engines = {e.name: e for e in census(cfg, model)}
+    assert set(engines) == {'generator', 'discriminator'}
+    for name, engine in engines.items():
+        module = getattr(model, name)
+        assert engine.path == name
+        assert engine.params == engine.trainable == sum(p.numel() for p in module.parameters())
+        assert engine.states == 2

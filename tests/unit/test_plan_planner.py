@@ -1,0 +1,140 @@
+"""plan/planner.py, plan/memory.py and `mmengine-deepspeed plan`: rows, JSON, recommendation."""
+from __future__ import annotations
+
+import glob
+import json
+import os.path as osp
+
+import pytest
+
+import mmengine_deepspeed.demo  # noqa: F401  registers TinyGPT
+from mmengine_deepspeed.cli import main
+from mmengine_deepspeed.plan.activations import Activations
+from mmengine_deepspeed.plan.census import EngineCensus
+from mmengine_deepspeed.plan.memory import Layout, engine_bytes
+
+ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+ROW_KEYS = {'stage', 'offload_optimizer', 'offload_param', 'micro_batch', 'peak_mib', 'host_mib',
+            'construct_mib', 'fits', 'max_micro_batch'}
+DEMO = osp.join(ROOT, 'configs', 'demo_gpt_zero3.py')
+TOY = osp.join(ROOT, 'tests', 'fixtures', 'toy_deepspeed.py')
+
+
+def _plan_json(capsys: pytest.CaptureFixture, *args: str) -> dict:
+    assert main(['plan', *args, '--json']) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope='module')
+def demo_plan() -> dict:
+    """The demo planned on 2 ranks of 8 GiB (one plan for several tests)."""
+    from mmengine.config import Config
+
+    from mmengine_deepspeed.plan import make_plan
+
+    return make_plan(Config.fromfile(DEMO), nproc=2, device_memory_gib=8).as_json()
+
+
+def test_json_has_a_row_per_stage_and_offload_and_recommends_the_fastest_that_fits(
+        demo_plan: dict) -> None:
+    plan = demo_plan
+    assert plan['nproc'] == 2 and len(plan['rows']) == 8
+    assert all(set(row) == ROW_KEYS for row in plan['rows'])
+    assert [(r['stage'], r['offload_optimizer'], r['offload_param']) for r in plan['rows']] == [
+        (0, 'none', 'none'), (1, 'none', 'none'), (2, 'none', 'none'), (3, 'none', 'none'),
+        (1, 'cpu', 'none'), (2, 'cpu', 'none'), (3, 'cpu', 'none'), (3, 'cpu', 'cpu')]
+    assert all(r['micro_batch'] == 16 and r['fits'] and r['max_micro_batch'] >= 16
+               for r in plan['rows'])
+    assert plan['recommended'] == plan['rows'][0]
+    assert plan['activations']['method'] == 'traced'
+
+
+def test_nothing_fits_a_tiny_budget_and_the_text_says_what_to_do(
+        capsys: pytest.CaptureFixture) -> None:
+    plan = _plan_json(capsys, TOY, '--nproc', '2', '--device-memory', '0.01')
+    assert plan['recommended'] is None
+    assert not any(r['fits'] for r in plan['rows'])
+    assert all(r['max_micro_batch'] == 0 for r in plan['rows'])
+    assert main(['plan', TOY, '--device-memory', '0.01']) == 0
+    assert 'nothing fits' in capsys.readouterr().out
+
+
+def test_the_largest_micro_batch_is_where_the_peak_crosses_the_budget(
+        demo_plan: dict, capsys: pytest.CaptureFixture) -> None:
+    base = demo_plan['rows'][0]
+    budget_gib = (base['peak_mib'] + 200) / 1024
+    row = _plan_json(capsys, DEMO, '--nproc', '2', '--device-memory', str(budget_gib))['rows'][0]
+    assert row['max_micro_batch'] > 16
+    bigger = _plan_json(capsys, DEMO, '--nproc', '2', '--cfg-options',
+                        f'train_dataloader.batch_size={row["max_micro_batch"] + 1}',
+                        '--device-memory', str(budget_gib))['rows'][0]
+    assert not bigger['fits']
+
+
+def test_text_output_ends_with_ds_config_lines_to_paste(capsys: pytest.CaptureFixture) -> None:
+    assert main(['plan', TOY, '--nproc', '2', '--zero', '3']) == 0
+    out = capsys.readouterr().out
+    assert "engine 'model'" in out and 'traced on the meta device' in out
+    assert 'SGD keeps 1 state(s) per trained element' in out
+    assert 'ds_config = dict(zero_optimization=dict(stage=0), bf16=dict(enabled=True))' in out
+
+
+@pytest.mark.parametrize('config', sorted(glob.glob(osp.join(ROOT, 'configs', '*.py'))))
+def test_every_shipped_config_plans(config: str, capsys: pytest.CaptureFixture) -> None:
+    plan = _plan_json(capsys, config, '--nproc', '2')
+    assert len(plan['rows']) == 8 and plan['recommended'] is not None
+
+
+def test_bad_input_is_one_line_naming_it(capsys: pytest.CaptureFixture) -> None:
+    assert main(['plan', 'no/such/config.py']) == 2
+    assert 'no/such/config.py' in capsys.readouterr().err
+    assert main(['plan', TOY, '--nproc', '0']) == 2
+    assert '--nproc 0' in capsys.readouterr().err
+
+
+def _engine(params: int = 10_000_000) -> EngineCensus:
+    return EngineCensus('model', '', [params // 10] * 10, params, {'float32': params},
+                        params // 10, 'AdamW', 2)
+
+
+def _layout(stage: int, **changes: object) -> Layout:
+    values = dict(stage=stage, offload_optimizer=False, offload_param=False, compute_bytes=4,
+                  ranks=2, micro_batch=1, cuda=False)
+    values.update(changes)
+    return Layout(**values)  # type: ignore[arg-type]
+
+
+def test_model_states_divide_by_the_ranks_as_zero_partitions_them() -> None:
+    phi = 10_000_000
+    held = {s: engine_bytes(_engine(phi), _layout(s), {}).held for s in range(4)}
+    assert held[0] == 12 * phi  # fp32 parameters (stepped in place) and Adam's two moments
+    assert held[1] == held[2] == 4 * phi + (4 + 8) * phi / 2  # + an fp32 master partition
+    assert held[3] == (4 + 4 + 8 + 4) * phi / 2  # parameters and gradients partitioned too
+    bf16 = engine_bytes(_engine(phi), _layout(0, compute_bytes=2), {}).held
+    assert bf16 == (2 + 4 + 4 + 8) * phi  # DeepSpeed's bf16 optimizer: fp32 master and grads
+
+
+def test_offload_moves_optimizer_states_and_parameters_to_the_host() -> None:
+    phi = 10_000_000
+    plain = engine_bytes(_engine(phi), _layout(3), {})
+    both = engine_bytes(_engine(phi), _layout(3, offload_optimizer=True, offload_param=True), {})
+    assert both.held == pytest.approx(4 * phi / 2)  # the gradient partition stays
+    # parameters, master, moments and a pinned fp32 gradient partition
+    assert both.host == pytest.approx((4 + 4 + 8 + 4) * phi / 2)
+    assert plain.host == 0
+
+
+def test_an_untouched_bucket_counts_on_cuda_not_in_cpu_rss() -> None:
+    """ZeRO-2 allocates reduce_bucket_size elements; on the CPU only written pages are
+    resident (a CUDA-only branch: no device here, the layout says cuda)."""
+    small = _engine(1_000_000)
+    cpu = engine_bytes(small, _layout(2), {'reduce_bucket_size': 500_000_000})
+    cuda = engine_bytes(small, _layout(2, cuda=True), {'reduce_bucket_size': 500_000_000})
+    assert cuda.backward - cpu.backward == pytest.approx(4 * (500_000_000 - 1_000_000))
+
+
+def test_activations_scale_with_micro_batch_and_dtype() -> None:
+    acts = Activations(float_bytes=4000, other_bytes=100, float_size=4, micro_batch=4,
+                       method='traced')
+    assert acts.bytes_at(8, 4) == 2 * 4100
+    assert acts.bytes_at(4, 2) == 2100
