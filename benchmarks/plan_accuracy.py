@@ -4,7 +4,7 @@ For three model families at two sizes (``plan_models.py``: the demo GPT, a CNN w
 BatchNorm, a transformer with frozen parts; the larger over 50M parameters), fp32
 and bf16, ZeRO 0-3 on 2 ranks: ``plan CONFIG --nproc 2 --json`` in a fresh process
 (its row for the stage, no offload) against the largest ``train/peak_mem_mb`` the
-training log reports for the same config (3 iterations,
+training log reports for the same config (10 iterations: ZeRO-3's RSS creeps for several,
 ``plan_accuracy_worker.py``). Beside them, what the other tools would say for the
 same model: Accelerate's ``estimate-memory`` ("Training using Adam" for float32: 4x
 the fp32 weights, for one process, without activations) and DeepSpeed's

@@ -25,10 +25,16 @@ MIB = 2**20
 REDUCE_BUCKET = 500_000_000
 ALLREDUCE_BUCKET = 500_000_000  # ZeRO-0's gradient all-reduce (engine.MEMORY_OPT_ALLREDUCE_SIZE)
 PERSISTENCE = 100_000
-# On the CPU, freed gradient, gathered-parameter and optimizer temporaries stay in glibc's heap
-# (its mmap threshold rises to each freed block's size, up to 32 MiB): the fraction of a step's
-# transient bytes the RSS keeps, measured with benchmarks/plan_accuracy.py (RESULTS.md).
-CPU_HEAP_KEPT = 0.0
+# On the CPU the RSS keeps what glibc's heap keeps: freed gradients, gathered parameters,
+# all-reduce copies and optimizer temporaries (its mmap threshold rises to each freed
+# block's size, up to 32 MiB, so later blocks of that size come from the heap and stay).
+# No allocator model predicts that; these are fitted per ZeRO stage to 48 runs of
+# benchmarks/plan_accuracy.py (3 model families x 2 sizes x fp32/bf16, 2 ranks, 10
+# iterations; RESULTS.md): (bytes kept per byte of the fp32 model, per byte of
+# activations), and what the runtime adds on top of the planning process's own RSS
+# (process group, DeepSpeed's engine and ZeRO modules, the runner's hooks), MiB.
+CPU_HEAP_KEPT = {0: (0.70, 1.0), 1: (0.56, 0.0), 2: (1.10, 0.0), 3: (0.96, 1.0)}
+CPU_RUNTIME_MIB = {0: 25.0, 1: 110.0, 2: 140.0, 3: 140.0}
 
 
 @dataclass(frozen=True)
@@ -142,3 +148,9 @@ def engine_bytes(engine: EngineCensus, layout: Layout, zero: dict) -> Breakdown:
 def activation_bytes(activations: Activations, layout: Layout) -> float:
     """Activations saved for backward at the layout's micro-batch and compute dtype."""
     return activations.bytes_at(layout.micro_batch, layout.compute_bytes)
+
+
+def cpu_heap_kept(stage: int, model_bytes: float, activations: float) -> float:
+    """What glibc's heap keeps in the RSS beyond live tensors (:data:`CPU_HEAP_KEPT`)."""
+    per_model, per_activation = CPU_HEAP_KEPT[stage]
+    return per_model * model_bytes + per_activation * activations

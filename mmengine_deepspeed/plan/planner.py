@@ -24,16 +24,20 @@ from ..dist import cuda_available
 from ..engine.spec import EngineSpecs, mmengine_settings
 from .activations import Activations, one_batch, trace_activations
 from .census import EngineCensus, census, meta_model
-from .memory import CPU_HEAP_KEPT, MIB, Breakdown, Layout, activation_bytes, engine_bytes
+from .memory import (
+    CPU_RUNTIME_MIB,
+    MIB,
+    Breakdown,
+    Layout,
+    activation_bytes,
+    cpu_heap_kept,
+    engine_bytes,
+)
 
 # (stage, offload optimizer, offload parameters), fastest first: the recommendation is the
 # first that fits (a lower stage communicates less; offload moves every step over PCIe).
 ROWS = [(0, False, False), (1, False, False), (2, False, False), (3, False, False),
         (1, True, False), (2, True, False), (3, True, False), (3, True, True)]
-# What the CPU runtime adds to the planning process's own RSS once training runs (process
-# group, DeepSpeed's engine and ZeRO modules, the runner's hooks and logs): measured with
-# benchmarks/plan_accuracy.py on 2 CPU ranks (RESULTS.md).
-CPU_RUNTIME_MIB = {0: 40.0, 1: 90.0, 2: 90.0, 3: 90.0}
 # zero.Init's fixed cost beyond the partitions (measured: scale.py --cold, RESULTS.md).
 ZERO_INIT_FIXED_MIB = 60.0
 MAX_MICRO_BATCH = 1 << 20
@@ -212,7 +216,9 @@ class _RowModel:
         acts = activation_bytes(self.activations, layout)
         device = total.peak(acts)
         if not layout.cuda:  # one memory: the host's parts and what glibc keeps count too
-            device += total.host + CPU_HEAP_KEPT * acts + CPU_RUNTIME_MIB[layout.stage] * MIB
+            model_bytes = sum(4.0 * e.params for e in self.engines)
+            device += (total.host + cpu_heap_kept(layout.stage, model_bytes, acts)
+                       + CPU_RUNTIME_MIB[layout.stage] * MIB)
         return self.fixed + device / MIB, total.host * self.nproc / MIB
 
     def max_micro_batch(self, device_mib: float) -> int:

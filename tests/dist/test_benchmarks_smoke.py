@@ -18,6 +18,8 @@ pytestmark = pytest.mark.dist
     ('benchmarks/checkpoint_cost.py', ('save ratio min/med/max', 'zero_to_fp32 command s')),
     ('benchmarks/gan.py --profile', ('runner/raw min/med/max', 'mmengine_deepspeed')),
     ('benchmarks/stop_and_resume.py', ('agreement / step', 'DeepSpeedRunner s to first step')),
+    ('benchmarks/plan_accuracy.py', ('plan/measured', 'Accelerate MiB', 'DeepSpeed MiB',
+                                      'within the target')),
     ('benchmarks/scale.py --cold', ('construction MiB', 'DeepSpeed estimate MiB', 'zero3_init',
                              'Largest measured size')),
 ])
