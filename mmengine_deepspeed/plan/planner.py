@@ -20,6 +20,7 @@ from typing import Any, Optional
 from mmengine.config import Config
 
 from ..config.model_settings import fit_zero3_sizes
+from ..config.resolve import precision
 from ..dist import cuda_available
 from ..engine.spec import EngineSpecs, mmengine_settings
 from .activations import Activations, one_batch, trace_activations
@@ -162,9 +163,7 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
     fixed = 0.0 if cuda else _rss_mib()
     activations = trace_activations(cfg, meta_model(cfg), batch, micro_batch,
                                     [engine.name for engine in engines])
-    precision = next(iter(configs.values()))
-    mode = 'bf16' if precision.get('bf16', {}).get('enabled') else \
-        'fp16' if precision.get('fp16', {}).get('enabled') else 'fp32'
+    mode = precision(next(iter(configs.values())))
     compute_bytes = 4 if mode == 'fp32' else 2
     if device_memory_gib is not None:
         device_mib = device_memory_gib * 1024
@@ -186,7 +185,8 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
         plan.rows.append(Row(stage, 'cpu' if offload_opt else 'none',
                              'cpu' if offload_param else 'none', micro_batch,
                              round(predicted, 1), round(host, 1),
-                             round(construction_mib(engines, stage, ranks, cuda, fixed), 1),
+                             round(construction_mib(engines, stage, ranks, cuda, fixed,
+                                                    bool(cfg.get('zero_init', True))), 1),
                              predicted <= device_mib and host <= host_mib,
                              row.max_micro_batch(device_mib)))
     for engine in engines:
@@ -234,11 +234,12 @@ class _RowModel:
 
 
 def construction_mib(engines: list[EngineCensus], stage: int, ranks: int, cuda: bool,
-                     fixed: float) -> float:
-    """Peak while the runner builds the model: whole, or under zero.Init (ZeRO-3) its partition
-    plus the largest layer whole (each module is whole while it is built) and a fixed cost."""
+                     fixed: float, zero_init: bool = True) -> float:
+    """Peak while the runner builds the model: whole, or under zero.Init (ZeRO-3 unless the
+    config says ``zero_init=False``) its partition plus the largest layer whole (each module
+    is whole while it is built) and a fixed cost (RESULTS.md section 4, measured cold)."""
     params = sum(4.0 * e.params for e in engines)
-    if stage != 3:
+    if stage != 3 or not zero_init:
         return fixed + params / MIB
     layer = max(4.0 * e.largest_layer for e in engines)
     return fixed + (params / ranks + layer) / MIB + (0.0 if cuda else ZERO_INIT_FIXED_MIB)

@@ -138,3 +138,15 @@ def test_activations_scale_with_micro_batch_and_dtype() -> None:
                        method='traced')
     assert acts.bytes_at(8, 4) == 2 * 4100
     assert acts.bytes_at(4, 2) == 2100
+
+
+def test_construction_is_whole_or_a_partition_plus_the_largest_layer() -> None:
+    """The bound measured cold (RESULTS.md section 4): half the model on 2 ranks + the
+    largest layer whole + a fixed cost; whole without zero.Init."""
+    from mmengine_deepspeed.plan.planner import ZERO_INIT_FIXED_MIB, construction_mib
+
+    engine = _engine(100 * 2**20)  # 400 MiB in fp32, largest layer 40 MiB
+    assert construction_mib([engine], 0, 2, False, 300.0) == 300 + 400
+    assert construction_mib([engine], 3, 2, False, 300.0, zero_init=False) == 300 + 400
+    assert construction_mib([engine], 3, 2, False, 300.0) == 300 + 200 + 40 + ZERO_INIT_FIXED_MIB
+    assert construction_mib([engine], 3, 2, True, 0.0) == 200 + 40
