@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import os.path as osp
 from collections.abc import Mapping
 from typing import Any, Optional, Union, cast
@@ -36,7 +37,7 @@ from .checkpoint.loop import resumable_loop
 from .checkpoint.plan import ResumeKind
 from .checkpoint.runner_methods import CheckpointMethods
 from .config.resolve import DsConfigSource
-from .dist import init_distributed, quiet_deepspeed
+from .dist import cuda_available, init_distributed, quiet_deepspeed
 from .engine.activation import checkpoint_through_deepspeed, has_section
 from .engine.build import build_engines, left_unwrapped, wrap_optimizers
 from .engine.compile import compile_engines, compile_options, compile_report
@@ -54,6 +55,7 @@ from .failure import failing_together
 from .hooks.ema import DeepSpeedEMAHook
 from .hooks.preemption import PreemptionHook
 from .hooks.registration import deepspeed_custom_hooks, deepspeed_default_hooks
+from .plan.planner import predicted_peak_mib, rss_mib
 from .zero.partitioned import build_advice, gather_on_use, partitioned_construction
 
 
@@ -96,6 +98,8 @@ class DeepSpeedRunner(CheckpointMethods):
     def __init__(self, *args: Any, ds_config: DsConfigSource = None,
                  allow_unsafe_checkpoints: Optional[bool] = None,
                  zero_init: Optional[bool] = None, **kwargs: Any):
+        # what the process holds before any model or data: the banner's plan starts here
+        self.rss_at_start_mib = 0.0 if cuda_available() else rss_mib()
         bound = inspect.signature(Runner.__init__).bind(self, *args, **kwargs)
         arguments = bound.arguments
         cfg = arguments.get('cfg')
@@ -136,6 +140,21 @@ class DeepSpeedRunner(CheckpointMethods):
     def bare_model(self) -> nn.Module:
         """The user's model, wrapped or not."""
         return cast(nn.Module, self.model.module) if is_model_wrapper(self.model) else self.model
+
+    def predicted_peak_mib(self, data_batch: Any) -> float:
+        """What ``mmengine-deepspeed plan`` predicts per rank for this run's engines.
+
+        Traced on a meta-device copy of the config's model with the loop's own
+        batch (no second dataset, which would itself raise the memory being
+        predicted). For the banner; raises where the model is not a config or
+        cannot be traced on the meta device.
+        """
+        if not isinstance(self.cfg.get('model'), dict):
+            raise ValueError('the model was given as an instance, not a config')
+        cfg = Config(dict(self.cfg.to_dict(), **self._taken))  # keys train() holds meanwhile
+        return predicted_peak_mib(cfg, self.engine_specs.configs(), self.world_size,
+                                  int(os.environ.get('LOCAL_WORLD_SIZE', self.world_size)),
+                                  data_batch, self.rss_at_start_mib)
 
     @override
     def setup_env(self, env_cfg: dict) -> None:

@@ -110,6 +110,9 @@ class ThroughputHook(Hook):
         self.interval = interval
         self._reduce_every = interval or 10
         self._last: Optional[float] = None
+        # the plan's peak, said once next to the first measured one
+        self._prediction: Optional[str] = None
+        self._said = False
 
     @override
     def before_train(self, runner: Any) -> None:
@@ -117,6 +120,17 @@ class ThroughputHook(Hook):
         if self.interval is None:
             loggers = [hook for hook in runner.hooks if isinstance(hook, LoggerHook)]
             self._reduce_every = loggers[0].interval if loggers else 10
+
+    @override
+    def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
+        if self._prediction is not None or not hasattr(runner, 'predicted_peak_mib'):
+            return
+        try:
+            self._prediction = (f'`mmengine-deepspeed plan` predicts '
+                                f'{runner.predicted_peak_mib(data_batch):.0f} MiB')
+        except Exception as e:  # a prediction must never stop training
+            reason = str(e).splitlines()[0] if str(e) else ''
+            self._prediction = f'no plan prediction ({type(e).__name__}: {reason})'
 
     @override
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
@@ -139,3 +153,8 @@ class ThroughputHook(Hook):
                     peak = peak.cuda()
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             hub.update_scalar('train/peak_mem_mb', float(peak.item()))
+            if self._prediction is not None and not self._said:
+                self._said = True
+                runner.logger.info(f'peak memory per rank after the first iteration: '
+                                   f'{peak.item():.0f} MiB; {self._prediction} for this '
+                                   'configuration (its peak once training settles).')

@@ -146,7 +146,7 @@ def _count(model: nn.Module, batch: Any, checkpointed: list[str],
 
 
 def trace_activations(cfg: Config, model: nn.Module, batch: Any, micro_batch: int,
-                      engines: list[str]) -> Activations:
+                      engines: list[str], probe: bool = True) -> Activations:
     """Count what one training step saves, on the meta-device ``model``; probe when it cannot.
 
     Args:
@@ -157,6 +157,7 @@ def trace_activations(cfg: Config, model: nn.Module, batch: Any, micro_batch: in
         batch (Any): :func:`one_batch`.
         micro_batch (int): Samples in ``batch``.
         engines (list[str]): The engines' names (the optim wrappers ``train_step`` gets).
+        probe (bool): Where tracing fails, measure one real step (else raise).
     """
     checkpointed = cfg.get('activation_checkpointing') or []
     checkpointed = [checkpointed] if isinstance(checkpointed, str) else list(checkpointed)
@@ -167,6 +168,8 @@ def trace_activations(cfg: Config, model: nn.Module, batch: Any, micro_batch: in
         floats, others = _count(model, batch, checkpointed, engines)
         return Activations(floats, others, float_size, micro_batch, 'traced')
     except Exception as e:  # any forward may need values the meta device lacks
+        if not probe:
+            raise
         note = f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'.strip(': ')
     real = MODELS.build(cfg.model)
     floats, others = _count(real, batch, checkpointed, engines)

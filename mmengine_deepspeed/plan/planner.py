@@ -92,7 +92,10 @@ class Plan:
                     notes=self.notes)
 
 
-def _rss_mib() -> float:
+def rss_mib() -> float:
+    """This process's resident memory now (Linux), MiB; 0 where /proc is missing."""
+    if not osp.exists('/proc/self/status'):
+        return 0.0
     with open('/proc/self/status') as status:
         for line in status:
             if line.startswith('VmRSS:'):
@@ -160,7 +163,7 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
     batch = one_batch(cfg)
     micro_batch = int(next(iter(configs.values()))['train_micro_batch_size_per_gpu'])
     gc.collect()
-    fixed = 0.0 if cuda else _rss_mib()
+    fixed = 0.0 if cuda else rss_mib()
     activations = trace_activations(cfg, meta_model(cfg), batch, micro_batch,
                                     [engine.name for engine in engines])
     mode = precision(next(iter(configs.values())))
@@ -231,6 +234,38 @@ class _RowModel:
             else:
                 high = middle - 1
         return largest
+
+
+def predicted_peak_mib(cfg: Config, ds_configs: dict[str, dict], ranks: int, nproc: int,
+                       batch: Any, fixed_mib: float) -> float:
+    """The plan's peak per rank for the layout a run has (the training banner's prediction).
+
+    Args:
+        cfg (Config): The run's config (its model as a dict).
+        ds_configs (dict[str, dict]): Each engine's ds_config as the engines were built.
+        ranks (int): World size.
+        nproc (int): Ranks on this node.
+        batch (Any): One batch as the loop hands it to ``train_step``.
+        fixed_mib (float): The process's RSS before the model was built (0 on CUDA).
+
+    Raises:
+        Exception: Whatever tracing on the meta device raises (no probe here: it would
+            build the model for real inside training).
+    """
+    first = next(iter(ds_configs.values()))
+    micro_batch = int(first['train_micro_batch_size_per_gpu'])
+    engines = census(cfg, meta_model(cfg))
+    activations = trace_activations(cfg, meta_model(cfg), batch, micro_batch,
+                                    [engine.name for engine in engines], probe=False)
+    zero = first.get('zero_optimization') or {}
+    offloaded = {part: (zero.get(f'offload_{part}') or {}).get('device', 'none') != 'none'
+                 for part in ('optimizer', 'param')}
+    layout = Layout(int(zero.get('stage', 0)), offloaded['optimizer'], offloaded['param'],
+                    4 if precision(first) == 'fp32' else 2, ranks, micro_batch,
+                    cuda_available())
+    zeros = {name: ds.get('zero_optimization') or {} for name, ds in ds_configs.items()}
+    return _RowModel(engines, zeros, activations, layout, fixed_mib, nproc).peak_mib(
+        micro_batch)[0]
 
 
 def construction_mib(engines: list[EngineCensus], stage: int, ranks: int, cuda: bool,

@@ -34,7 +34,8 @@ def test_train_nproc_2_then_resume(tmp_path: Any) -> None:
     assert f'logs in {work}' in first.stdout
     log = log_text(work)
     assert 'DeepSpeed engine ready: ZeRO-3, bf16, world size 2, backend gloo' in log
-    for fragment in ('grad_norm:', 'samples_per_s:', 'peak_mem_mb:', 'Epoch(train) [2][4/4]'):
+    for fragment in ('grad_norm:', 'samples_per_s:', 'peak_mem_mb:', 'Epoch(train) [2][4/4]',
+                     '`mmengine-deepspeed plan` predicts'):
         assert fragment in log, fragment
     again = cli('train', CONFIG, '--nproc', '2', '--zero', '3', '--work-dir', work, '--resume',
                 '--cfg-options', 'train_cfg.max_epochs=3')

@@ -67,3 +67,35 @@ def test_emulated_bf16_is_named_with_its_cost_and_the_fix(monkeypatch: Any) -> N
     assert monitor.precision_note(True, 'bf16', on_cuda=True) is None
     monkeypatch.setattr(monitor, 'native_bf16', lambda: True)
     assert monitor.precision_note(True, 'bf16', on_cuda=False) is None
+
+
+@pytest.mark.parametrize('prediction, said', [
+    (612.4, '`mmengine-deepspeed plan` predicts 612 MiB for this configuration'),
+    (RuntimeError('Cannot copy out of meta tensor'),
+     'no plan prediction (RuntimeError: Cannot copy out of meta tensor)'),
+])
+def test_the_plan_prediction_is_said_once_next_to_the_first_peak(prediction: Any,
+                                                                  said: str) -> None:
+    """A prediction that cannot be made is said so, and never stops training."""
+    from mmengine_deepspeed.hooks.monitor import ThroughputHook
+
+    lines: list[str] = []
+    runner = _ThroughputRunner([])
+    runner.logger = type('Logger', (), {'info': staticmethod(lines.append)})()  # type: ignore
+
+    def predicted_peak_mib(batch: Any) -> float:
+        assert batch == {'inputs': 1}
+        if isinstance(prediction, Exception):
+            raise prediction
+        return prediction
+
+    runner.predicted_peak_mib = predicted_peak_mib  # type: ignore[attr-defined]
+    hook = ThroughputHook()
+    hook.before_train(runner)
+    for it in range(12):
+        runner.iter = it
+        hook.before_train_iter(runner, it, {'inputs': 1})
+        hook.after_train_iter(runner, it)
+    assert len(lines) == 1
+    assert lines[0].startswith('peak memory per rank after the first iteration: ')
+    assert said in lines[0]
