@@ -12,6 +12,7 @@ build an engine without an optimizer.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import os
 import os.path as osp
@@ -146,15 +147,17 @@ class DeepSpeedRunner(CheckpointMethods):
 
         Traced on a meta-device copy of the config's model with the loop's own
         batch (no second dataset, which would itself raise the memory being
-        predicted). For the banner; raises where the model is not a config or
-        cannot be traced on the meta device.
+        predicted; a copy of it, which a data_preprocessor may change). Meta-device
+        ops draw no random numbers, so the run's random stream is untouched. For the
+        banner; raises where the model is not a config or cannot be traced on the meta
+        device.
         """
         if not isinstance(self.cfg.get('model'), dict):
             raise ValueError('the model was given as an instance, not a config')
         cfg = Config(dict(self.cfg.to_dict(), **self._taken))  # keys train() holds meanwhile
         return predicted_peak_mib(cfg, self.engine_specs.configs(), self.world_size,
                                   int(os.environ.get('LOCAL_WORLD_SIZE', self.world_size)),
-                                  data_batch, self.rss_at_start_mib)
+                                  copy.deepcopy(data_batch), self.rss_at_start_mib)
 
     @override
     def setup_env(self, env_cfg: dict) -> None:

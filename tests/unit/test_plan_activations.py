@@ -79,3 +79,20 @@ def test_a_custom_train_step_with_several_optimizers_counts_its_largest_forward(
     names = [e.name for e in census(cfg, model)]
     acts = trace_activations(cfg, meta_model(cfg), one_batch(cfg), 4, names)
     assert acts.method == 'traced' and acts.float_bytes > 0
+
+
+def test_tracing_draws_no_random_numbers_from_the_run_stream() -> None:
+    """The training log's prediction traces inside training: a model with dropout and
+    torch.randn must leave the stream as it found it (parity and exact resume rely on it)."""
+    cfg = Config(dict(model=dict(type='ToyRandomModel'), optim_wrapper=dict(
+        optimizer=dict(type='SGD', lr=0.1)), train_dataloader=dict(
+            batch_size=4, num_workers=0, dataset=dict(type='ToyDataset', size=8),
+            sampler=dict(type='DefaultSampler', shuffle=False),
+            collate_fn=dict(type='default_collate'))))
+    batch = one_batch(cfg)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    acts = trace_activations(cfg, meta_model(cfg), batch, 4, ['model'], probe=False)
+    assert acts.method == 'traced'
+    assert torch.equal(torch.rand(3), expected)
