@@ -30,7 +30,8 @@ PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
     ('deepspeed.utils.groups', None, '_release_process_group_references',
      'a second world in one process (tests/dist/test_runner_contract.py)'),
     ('deepspeed.runtime.zero.partition_parameters', 'Init', '_zero_init_param',
-     'overridden: 0-dim parameters built partitioned (tests/dist/test_partitioned.py)'),
+     'overridden: 0-dim parameters built partitioned, parameters cast to Init.dtype there '
+     '(tests/dist/test_partitioned.py)'),
     ('mmengine.hooks', 'CheckpointHook', '_save_checkpoint_with_step',
      'overridden: rotation after the save; called for preemption checkpoints '
      '(tests/unit/test_checkpoint_files.py, tests/dist/test_failures.py)'),

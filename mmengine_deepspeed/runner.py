@@ -37,6 +37,7 @@ from .checkpoint.data_order import resumable_loader
 from .checkpoint.loop import resumable_loop
 from .checkpoint.plan import ResumeKind
 from .checkpoint.runner_methods import CheckpointMethods
+from .checkpoint.state import rng_state, set_rng_state
 from .config.resolve import DsConfigSource
 from .dist import cuda_available, init_distributed, quiet_deepspeed
 from .engine.activation import checkpoint_through_deepspeed, has_section
@@ -57,7 +58,14 @@ from .hooks.ema import DeepSpeedEMAHook
 from .hooks.preemption import PreemptionHook
 from .hooks.registration import deepspeed_custom_hooks, deepspeed_default_hooks
 from .plan.planner import predicted_peak_mib, rss_mib
-from .zero.partitioned import build_advice, gather_on_use, partitioned_construction
+from .zero.partitioned import (
+    agreed_everywhere,
+    build_advice,
+    construction_failure,
+    gather_on_use,
+    partitioned_construction,
+    whole_construction_note,
+)
 
 
 def _from_cfg(cfg: Optional[Config], key: str, value: Any, default: Any) -> Any:
@@ -204,11 +212,21 @@ class DeepSpeedRunner(CheckpointMethods):
         if not isinstance(model, dict) or advice is not None or not self.zero_init \
                 or specs.zero_stage != 3:
             return super().build_model(model)
-        with partitioned_construction(specs.process_config('zero_optimization')):
+        streams = rng_state()
+        try:
+            with partitioned_construction(specs.process_config('zero_optimization')):
+                built: Optional[nn.Module] = super().build_model(model)
+            failure = None
+        except Exception as error:  # model code zero.Init cannot build: whole, below
+            built, failure = None, construction_failure(error)
+        if not agreed_everywhere(failure is None):
+            set_rng_state(streams)  # the draws of the model built whole, as zero_init=False
             built = super().build_model(model)
+            self.logger.warning(whole_construction_note(failure, built))
+            return built
         self.logger.info('Built the model partitioned under ZeRO-3 (deepspeed.zero.Init); '
                          'set zero_init=False to build it whole on every rank.')
-        return built
+        return cast(nn.Module, built)
 
     @override
     def wrap_model(self, model_wrapper_cfg: Optional[dict], model: nn.Module) -> nn.Module:

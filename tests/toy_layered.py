@@ -10,8 +10,10 @@ preprocessor. Importing this module registers it.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from mmengine.model import BaseModel, BaseModule
 from mmengine.model.weight_init import trunc_normal_
@@ -99,3 +101,74 @@ class LayeredModel(BaseModel):
         if mode == 'predict':
             return [dict(pred=p, label=t) for p, t in zip(logits.argmax(1), labels)]
         return logits
+
+
+class PriorGenerator:
+    """Not a module, as MMDetection's ``AnchorGenerator``: plain tensors built from
+    numpy and lists in ``__init__`` with the legacy ``torch.Tensor(...)`` constructor."""
+
+    def __init__(self, strides: list[int], ratios: list[float], scales: Any):
+        self.strides = torch.Tensor(strides)            # a list of ints: data, not a shape
+        self.ratios = torch.Tensor(ratios)              # a list of floats
+        self.scales = torch.Tensor(np.asarray(scales))  # a numpy array
+        self.grid = torch.Tensor(2, 3).fill_(1.0)       # a shape
+        self.like = torch.Tensor(self.scales)           # a tensor
+        self.base = torch.tensor(np.outer(self.ratios.numpy(), self.scales.numpy()))
+
+
+@MODELS.register_module()
+class TensorsInInitModel(BaseModel):
+    """A model whose ``__init__`` does with tensors what real model code does.
+
+    A prior generator (above), a buffer from numpy, a ``new_tensor`` of a
+    parameter, a sinusoidal positional encoding computed in fp32, a Python list
+    from ``torch.linspace(...).item()`` (SegFormer's drop-path rates), BatchNorm
+    and dropout; all of it used in ``forward``.
+    """
+
+    def __init__(self, width: int = 16, positions: int = 600):
+        super().__init__(data_preprocessor=dict(type='ToyPreprocessor'))
+        self.prior = PriorGenerator([8, 16], [0.5, 1.0, 2.0], [4.0, 8.0])
+        self.stem = nn.Linear(IN_FEATURES, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.head = nn.Linear(width, NUM_CLASSES)
+        self.drop_rates = [x.item() for x in torch.linspace(0, 0.2, 3)]
+        self.dropout = nn.Dropout(self.drop_rates[1])
+        self.register_buffer('mean', torch.from_numpy(np.linspace(-1, 1, width,
+                                                                  dtype=np.float32)))
+        self.register_buffer('offsets', self.head.weight.new_tensor([0.5, -0.5, 0.25, 0.0]))
+        position = torch.arange(positions, dtype=torch.float32).unsqueeze(1)
+        rate = torch.exp(torch.arange(0, width, 2).float() * (-math.log(10000.0) / width))
+        encoding = torch.zeros(positions, width)
+        encoding[:, 0::2] = torch.sin(position * rate)
+        encoding[:, 1::2] = torch.cos(position * rate)
+        self.register_buffer('encoding', encoding)
+
+    def plain_tensors(self) -> dict[str, torch.Tensor]:
+        """The prior generator's tensors and the drop rates (no module holds them)."""
+        found = {k: v for k, v in vars(self.prior).items() if isinstance(v, torch.Tensor)}
+        return dict(found, drop_rates=torch.tensor(self.drop_rates))
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        scale = (self.prior.base.mean() + self.prior.strides.sum() + self.prior.grid.sum()
+                 + self.prior.like.mean()).float() / 100.0
+        x = self.stem(inputs) * scale + self.mean + self.encoding[-1]
+        x = self.dropout(torch.relu(self.norm(x)))
+        logits = self.head(x) + self.offsets
+        if mode == 'loss':
+            return dict(loss=nn.functional.cross_entropy(logits.float(), labels))
+        if mode == 'predict':
+            return [dict(pred=p, label=t) for p, t in zip(logits.argmax(1), labels)]
+        return logits
+
+
+@MODELS.register_module()
+class ReadsWeightsInInitModel(TensorsInInitModel):
+    """Reads a just-built layer's values in ``__init__`` (a weight reshaped into a
+    buffer), which a partitioned parameter cannot give: built whole instead."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        weight = self.stem.weight.view(self.stem.out_features, IN_FEATURES)
+        self.register_buffer('stem_norm', weight.norm(dim=0))

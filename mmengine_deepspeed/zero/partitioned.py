@@ -21,11 +21,31 @@ gathering the whole model:
   (``view(torch.uint8)``), which torch refuses for a 0-dim tensor. They are
   partitioned as 1-element, 1-dim tensors and recorded 0-dim afterwards,
   as ``zero_dim.py`` does for ``deepspeed.initialize``.
+
+Model code does more with tensors in ``__init__`` than DeepSpeed's
+constructor overrides expect, so :class:`PartitionedInit` changes two of them:
+
+* ``torch.Tensor(data)``: DeepSpeed replaces ``torch.Tensor.__new__`` with
+  ``new_empty(*args)``, which reads every argument as a size: a numpy array
+  or a list of floats raises (MMDetection's ``AnchorGenerator``), and a list
+  of ints silently becomes an uninitialised tensor of that shape. Data goes
+  to torch's own constructor (:func:`legacy_constructor`).
+* dtype: DeepSpeed casts every floating tensor made inside the block to the
+  training dtype, positional encodings, anchors and other plain tensors
+  included, which a model built whole keeps in fp32. Only device placement
+  is overridden here; parameters are cast as they are partitioned, so they
+  hold the same values as a model built whole and cast by the engine.
+
+Where construction still fails (code reading a just-partitioned parameter's
+values, say), the runner builds the model whole instead
+(:func:`construction_failure` names the call for its log line).
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os.path as osp
+import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -33,7 +53,8 @@ from typing import Any, Optional
 
 import deepspeed
 import torch
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.runtime.zero.partition_parameters import DeepSpeedTensorOverride, ZeroParamStatus
+from mmengine import dist as mmengine_dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from typing_extensions import override
@@ -71,18 +92,74 @@ def return_freed_memory() -> None:
         MALLOC_TRIM(0)
 
 
+def _is_size(args: tuple) -> bool:
+    """Whether ``torch.Tensor(*args)`` asks for a shape (ints, or one torch.Size)."""
+    if len(args) == 1 and isinstance(args[0], torch.Size):
+        return True
+    return all(isinstance(a, int) and not isinstance(a, bool) for a in args)
+
+
+def legacy_constructor(plain: Callable[..., torch.Tensor],
+                       sized: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``torch.Tensor.__new__`` that gives data to torch and sizes to DeepSpeed.
+
+    Args:
+        plain (Callable): torch's own ``torch.Tensor.__new__``.
+        sized (Callable): DeepSpeed's replacement, which places a tensor of a
+            given shape on the device ``zero.Init`` builds on.
+
+    Returns:
+        Callable: What ``torch.Tensor(...)`` then calls: ``torch.Tensor(2, 3)``
+        and ``torch.Tensor(torch.Size([2]))`` as DeepSpeed does,
+        ``torch.Tensor(array)``, ``torch.Tensor([8, 16])`` and
+        ``torch.Tensor(tensor)`` as torch does, on DeepSpeed's device.
+    """
+    def new(cls: type, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if _is_size(args):
+            return sized(cls, *args, **kwargs)
+        made = plain(cls, *args, **kwargs)
+        return made if 'device' in kwargs else made.to(sized(cls).device)
+    return new
+
+
 class PartitionedInit(deepspeed.zero.Init):
-    """``deepspeed.zero.Init`` that also takes 0-dim parameters.
+    """``deepspeed.zero.Init`` for real model code: 0-dim parameters, ``torch.Tensor(data)``,
+    and plain tensors in the dtype torch gives them (see the module docstring).
 
     DeepSpeed 0.19's ``Init._zero_init_param`` (private; overridden because
     it is where every new parameter is broadcast and partitioned) sends the
     parameter as ``data.view(torch.uint8)``, impossible for a 0-dim tensor.
     Here such a parameter is 1-dim for that call; its recorded full shape
-    (``ds_shape``) is then made 0-dim, which every gather restores.
-    tests/dist/test_partitioned.py builds a model with one.
+    (``ds_shape``) is then made 0-dim, which every gather restores. A
+    floating parameter is cast to the training dtype (DeepSpeed's ``dtype``
+    attribute, set from the ds_config) first. tests/dist/test_partitioned.py
+    builds models with each.
     """
 
+    def __init__(self, config_dict_or_path: dict):
+        super().__init__(config_dict_or_path=config_dict_or_path,
+                         tensor_overrides=[DeepSpeedTensorOverride.device])
+        self._deepspeed_new: Optional[Callable[..., torch.Tensor]] = None
+
+    @override
+    def __enter__(self) -> None:
+        plain = torch.Tensor.__new__
+        super().__enter__()
+        if torch.Tensor.__new__ is not plain:  # the outermost block patched it
+            self._deepspeed_new = torch.Tensor.__new__
+            torch.Tensor.__new__ = legacy_constructor(  # type: ignore[method-assign,assignment]
+                plain, self._deepspeed_new)
+
+    @override
+    def __exit__(self, *exc: Any) -> Any:
+        if self._deepspeed_new is not None:
+            torch.Tensor.__new__ = self._deepspeed_new  # type: ignore[method-assign,assignment]
+            self._deepspeed_new = None
+        return super().__exit__(*exc)
+
     def _zero_init_param(self, param: nn.Parameter) -> None:
+        if param.is_floating_point() and param.dtype != self.dtype:
+            param.data = param.data.to(self.dtype)
         if param.shape != SCALAR_SHAPE:
             super()._zero_init_param(param)
         else:
@@ -104,6 +181,41 @@ def partitioned_construction(ds_config: dict) -> PartitionedInit:
     """
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
     return PartitionedInit(config_dict_or_path=ds_config)
+
+
+_NOT_MODEL_CODE = tuple(osp.dirname(module.__file__ or '') + osp.sep
+                        for module in (torch, deepspeed))
+
+
+def construction_failure(error: BaseException) -> str:
+    """The model code's call where building under ``zero.Init`` failed, and the error.
+
+    The innermost frame outside torch and DeepSpeed: the line of the model
+    (or library) that did what ``zero.Init`` cannot build.
+    """
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith(_NOT_MODEL_CODE)]
+    where = (f'{frames[-1].filename}:{frames[-1].lineno} `{frames[-1].line}`'
+             if frames else 'an unknown call')
+    return f'{where}: {type(error).__name__}: {error}'
+
+
+def agreed_everywhere(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (one all-reduce; construction only)."""
+    flag = torch.tensor([0 if ok else 1])
+    mmengine_dist.all_reduce(flag)  # on the backend's device (nccl: CUDA)
+    return int(flag.item()) == 0
+
+
+def whole_construction_note(failure: Optional[str], model: nn.Module) -> str:
+    """The log line for a ZeRO-3 model built whole: why, and what it costs per rank."""
+    mib = sum(t.numel() * t.element_size()
+              for t in (*model.parameters(), *model.buffers())) / 2**20
+    why = f'zero.Init could not build the model ({failure})' if failure is not None else \
+        'zero.Init could not build the model on another rank'
+    return (f'{why}; built it whole on every rank instead ({mib:.1f} MiB per rank until '
+            'DeepSpeed partitions it). Change that call to build under zero.Init, or set '
+            'zero_init=False to skip the attempt.')
 
 
 def _zero_params(value: Any, found: dict[int, nn.Parameter]) -> None:

@@ -93,6 +93,8 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
                       params=[n for n, _ in module.named_parameters()],
                       ema=ema_state(runner), checkpoint_calls=calls.calls,
                       optimizer=type(runner.engines['model'].basic_optimizer).__name__)
+        if hasattr(module, 'plain_tensors'):
+            result['plain'] = module.plain_tensors()
         deepspeed.checkpointing.checkpoint = calls._checkpoint
     torch.save(result, osp.join(out_dir, f'{name}.rank{rank}.pt'))
 

@@ -26,10 +26,12 @@ BIG = {'type': 'LayeredModel', 'width': 1024, 'depth': 48}
 
 def train(name: str, zero_init: bool = True, ds_config: dict = Z3, **cfg: Any) -> dict:
     cfg.setdefault('model', {'type': 'LayeredModel', 'pretrained': '{out}/pretrained.pth'})
+    cfg.setdefault('custom_hooks', HOOKS)
     return {'name': name, 'cfg': dict(ds_config=ds_config, zero_init=zero_init, max_iters=4,
-                                      optimizer=ADAMW, custom_hooks=HOOKS, **cfg)}
+                                      optimizer=ADAMW, **cfg)}
 
 
+Z3_BF16 = dict(Z3, bf16={'enabled': True})
 CHECKPOINTING = {'partition_activations': True, 'cpu_checkpointing': True,
                  'contiguous_memory_optimization': False, 'number_checkpoints': 2,
                  'synchronize_checkpoint_boundary': True, 'profile': True}
@@ -43,22 +45,38 @@ SCENARIOS = [
     train('load_from', load_from='{out}/pretrained.pth',
           model={'type': 'LayeredModel'}),
     train('offload', ds_config=OFFLOAD),
+    *(train(f'{name}_{mode}', zero_init=mode != 'whole', model={'type': model},
+            custom_hooks=[{'type': 'InitStateHook'}], ds_config=ds_config)
+      for name, model, ds_config in (('tensors', 'TensorsInInitModel', Z3),
+                                     ('tensors_bf16', 'TensorsInInitModel', Z3_BF16),
+                                     ('reads', 'ReadsWeightsInInitModel', Z3))
+      for mode in ('whole', 'init')),
     train('checkpointing', ds_config=dict(Z3, activation_checkpointing=CHECKPOINTING),
           activation_checkpointing=['backbone.blocks.0', 'backbone.blocks.2']),
 ]
 
 
 @pytest.fixture(scope='module')
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict]], str]:
     out = str(tmp_path_factory.mktemp('partitioned'))
     torch.manual_seed(7)
     pretrained = LayeredModel()
     pretrained.init_weights()
     torch.save(pretrained.state_dict(), osp.join(out, 'pretrained.pth'))
-    launch_scenarios('tests/dist/partitioned_worker.py', out, SCENARIOS, nproc=2)
+    stdout = launch_scenarios('tests/dist/partitioned_worker.py', out, SCENARIOS, nproc=2)
     return {s['name']: [torch.load(osp.join(out, f'{s["name"]}.rank{r}.pt'), weights_only=False)
                         for r in (0, 1)] for s in SCENARIOS} | {
-        'pretrained': [{'state': pretrained.state_dict()}]}
+        'pretrained': [{'state': pretrained.state_dict()}]}, stdout
+
+
+@pytest.fixture(scope='module')
+def results(launched: tuple[dict, str]) -> dict[str, list[dict]]:
+    return launched[0]
+
+
+@pytest.fixture(scope='module')
+def log(launched: tuple[dict, str]) -> str:
+    return launched[1]
 
 
 def assert_equal(a: dict, b: dict, keys: Any = None, atol: float = 0.0) -> None:
@@ -117,3 +135,32 @@ def test_deepspeed_activation_checkpointing(results: dict) -> None:
         assert checkpointed['checkpoint_calls'] == 2 * 4  # two modules, four iterations
         assert plain['checkpoint_calls'] == 0
         assert_equal(plain['state'], checkpointed['state'], plain['params'], atol=1e-6)
+
+
+@pytest.mark.parametrize('name', ['tensors', 'tensors_bf16'])
+def test_tensors_made_in_init_build_under_zero_init(results: dict, name: str) -> None:
+    """torch.Tensor(ndarray | list of floats | list of ints | shape | tensor), torch.tensor(
+    ndarray), new_tensor, a buffer from numpy, an fp32 positional encoding and .item() in
+    __init__: built under zero.Init they hold what the model built whole holds (plain tensors
+    keep torch's dtype in bf16, as without zero.Init), and train the same."""
+    for whole, partitioned in zip(results[f'{name}_whole'], results[f'{name}_init']):
+        assert partitioned['partitioned'] and not whole['partitioned']
+        assert_equal(whole['init_state'], partitioned['init_state'])
+        assert_equal(whole['state'], partitioned['state'])
+        for key, value in whole['plain'].items():
+            assert value.dtype == partitioned['plain'][key].dtype == torch.float32, key
+            assert torch.equal(value, partitioned['plain'][key]), key
+        assert whole['plain']['strides'].tolist() == [8.0, 16.0]
+        assert whole['plain']['grid'].shape == (2, 3)
+
+
+def test_a_model_zero_init_cannot_build_is_built_whole(results: dict, log: str) -> None:
+    """A model reading a just-partitioned weight's values in __init__: built whole, with
+    one warning naming the call and the cost, and the same tensors as zero_init=False."""
+    for whole, fallback in zip(results['reads_whole'], results['reads_init']):
+        assert not fallback['partitioned']
+        assert_equal(whole['init_state'], fallback['init_state'])
+        assert_equal(whole['state'], fallback['state'])
+    assert log.count('zero.Init could not build the model (') == 1  # rank 0 logs
+    assert 'toy_layered.py:' in log and 'self.stem.weight.view(' in log
+    assert 'MiB per rank until DeepSpeed partitions it' in log
