@@ -8,13 +8,14 @@ needs only ``custom_imports``, ``runner_type`` and ``ds_config``.
 It never imports MMEngine's ``DeepSpeedStrategy`` machinery, whose optimizer
 registration imports a module DeepSpeed 0.19 removed.
 """
-from .dist import hide_cpu_accelerator_notice, init_distributed
+from .quiet import hide_cpu_accelerator_notice
 
 hide_cpu_accelerator_notice()  # before the imports below import DeepSpeed
 
 from .checkpoint import CheckpointError, export_checkpoint  # noqa: E402
 from .compat import check_upstream  # noqa: E402
 from .config.resolve import DsConfigError, MMEngineSettings, resolve_ds_config  # noqa: E402
+from .dist import init_distributed  # noqa: E402
 from .engine.optim_wrapper import DeepSpeedOptimWrapper  # noqa: E402
 from .engine.optimizers import register_deepspeed_optimizers  # noqa: E402
 from .engine.wrapper import DeepSpeedEngineWrapper  # noqa: E402

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Callable, Optional, cast
 
 import torch
+from mmengine.runner.loops import _InfiniteDataloaderIterator
 from packaging.version import Version
 from torch import nn
 
@@ -37,6 +40,9 @@ PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
      '(tests/unit/test_checkpoint_files.py, tests/dist/test_failures.py)'),
     ('mmengine.hooks', 'CheckpointHook', '_publish_model',
      'overridden: publishing from a checkpoint directory (tests/dist/test_checkpoint_hook.py)'),
+    ('mmengine.runner.loops', None, '_InfiniteDataloaderIterator',
+     'subclassed: the iteration loop\'s iterator keeps MMEngine\'s type '
+     '(tests/unit/test_stop_and_resume.py)'),
     ('mmengine.hooks', 'EMAHook', '_swap_ema_parameters',
      'overridden: swapping gathered ZeRO-3 weights (tests/dist/test_checkpoint.py EMA cases)'),
     ('torch._dynamo.utils', None, 'counters',
@@ -152,6 +158,10 @@ def has_separate_master(param: torch.Tensor) -> bool:
 
 # --- MMEngine ---------------------------------------------------------------------------
 
+# IterBasedTrainLoop.dataloader_iterator's type, which code (and MMEngine's own tests)
+# checks: the resumable loop's iterator subclasses it (tests/unit/test_stop_and_resume.py).
+InfiniteDataloaderIterator = _InfiniteDataloaderIterator
+
 def accumulative_counts(wrapper: Any) -> int:
     """An ``OptimWrapper``'s ``accumulative_counts`` (stored, but not exposed)."""
     return int(wrapper._accumulative_counts)
@@ -162,6 +172,30 @@ def save_with_checkpoint_hook(hook: Any, runner: Any, step: int, meta: dict) -> 
     rotation, ``last_checkpoint``. No public method saves outside its interval; the
     preemption checkpoint needs one (tests/dist/test_failures.py)."""
     hook._save_checkpoint_with_step(runner, step, meta)
+
+
+def diff_rank_seed(runner: Any) -> bool:
+    """``randomness.diff_rank_seed`` as the runner holds it (MMEngine's loops read it the same
+    way to build their dataloader)."""
+    return bool(runner._randomness_cfg.get('diff_rank_seed', False))
+
+
+@contextmanager
+def hooks_in_call(runner: Any, hooks: list) -> Iterator[None]:
+    """Make ``runner``'s hook list ``hooks`` for one ``call_hook`` (MMEngine's iterates
+    ``Runner._hooks``; DeepSpeedRunner adds its own hooks there for the call only,
+    tests/dist/test_runner_contract.py)."""
+    registered = registered_hooks(runner)
+    runner._hooks = hooks
+    try:
+        yield
+    finally:
+        runner._hooks = registered
+
+
+def registered_hooks(runner: Any) -> list:
+    """``Runner._hooks`` itself (``runner.hooks`` is the same list)."""
+    return cast(list, runner._hooks)
 
 
 def set_loop_position(loop: Any, epoch: int, iteration: int) -> None:

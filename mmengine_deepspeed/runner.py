@@ -21,12 +21,13 @@ from typing import Any, Optional, Union, cast
 
 import deepspeed
 from mmengine.config import Config
-from mmengine.dist import get_rank
+from mmengine.hooks import Hook
 from mmengine.logging import MessageHub, MMLogger
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.registry import RUNNERS
 from mmengine.runner import Runner
+from mmengine.runner.priority import Priority, get_priority
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -38,8 +39,9 @@ from .checkpoint.loop import resumable_loop
 from .checkpoint.plan import ResumeKind
 from .checkpoint.runner_methods import CheckpointMethods
 from .checkpoint.state import rng_state, set_rng_state
+from .compat import hooks_in_call
 from .config.resolve import DsConfigSource
-from .dist import cuda_available, init_distributed, quiet_deepspeed
+from .dist import cuda_available, init_distributed
 from .engine.activation import checkpoint_through_deepspeed, has_section
 from .engine.build import build_engines, left_unwrapped, wrap_optimizers
 from .engine.compile import compile_engines, compile_options, compile_report
@@ -56,8 +58,14 @@ from .engine.wrapper import overrides
 from .failure import failing_together
 from .hooks.ema import DeepSpeedEMAHook
 from .hooks.preemption import PreemptionHook
-from .hooks.registration import deepspeed_custom_hooks, deepspeed_default_hooks
+from .hooks.registration import (
+    added_hooks,
+    deepspeed_custom_hooks,
+    deepspeed_default_hooks,
+    in_priority_order,
+)
 from .plan.planner import predicted_peak_mib, rss_mib
+from .quiet import quiet_deepspeed
 from .zero.partitioned import (
     agreed_everywhere,
     build_advice,
@@ -103,6 +111,7 @@ class DeepSpeedRunner(CheckpointMethods):
     """
 
     _find_unused_parameters: bool
+    added_hooks: list[Hook]  # the runner's own, run beside runner.hooks (hooks/registration.py)
 
     def __init__(self, *args: Any, ds_config: DsConfigSource = None,
                  allow_unsafe_checkpoints: Optional[bool] = None,
@@ -246,15 +255,13 @@ class DeepSpeedRunner(CheckpointMethods):
     @staticmethod
     def build_dataloader(dataloader: Union[DataLoader, dict], seed: Optional[int] = None,
                          diff_rank_seed: bool = False) -> DataLoader:
-        """MMEngine's ``build_dataloader``, its iterators off the global RNG (``data_order.py``).
+        """MMEngine's ``build_dataloader``, its workers seeding each sample (``data_order.py``).
 
-        Creating an iterator then draws nothing from the model's random
-        stream, and workers can reseed per sample, so a resumed run draws
-        what the uninterrupted run drew.
+        A sample's random transform in a worker then depends on the sample, not on
+        which worker fetched it or what a resumed run skipped.
         """
         return resumable_loader(
-            Runner.build_dataloader(dataloader, seed=seed, diff_rank_seed=diff_rank_seed), seed,
-            get_rank())
+            Runner.build_dataloader(dataloader, seed=seed, diff_rank_seed=diff_rank_seed))
 
     @override
     def train(self) -> nn.Module:
@@ -265,7 +272,7 @@ class DeepSpeedRunner(CheckpointMethods):
         signal ends them together after a checkpoint (``hooks/preemption.py``).
         """
         with failing_together(), contextlib.ExitStack() as signals:
-            for hook in self.hooks:
+            for hook in self.added_hooks:
                 if isinstance(hook, PreemptionHook):
                     signals.enter_context(hook.catching_signals())
             # MMEngine's train() calls build_optim_wrapper once: that call builds the engines.
@@ -344,7 +351,7 @@ class DeepSpeedRunner(CheckpointMethods):
                     isinstance(w, DeepSpeedOptimWrapper) for w in optim_wrapper.values())):
             return optim_wrapper
         if not self._engines_wanted:
-            return super().build_optim_wrapper(as_plain_wrappers(optim_wrapper))
+            return super().build_optim_wrapper(as_plain_wrappers(optim_wrapper, only_ours=True))
         self._engines_wanted = False  # one call builds them; later ones are the factory's
         self._init_model_weights()
         ds_config = self._activation_config()
@@ -422,5 +429,23 @@ class DeepSpeedRunner(CheckpointMethods):
     @override
     def register_hooks(self, default_hooks: Optional[dict] = None,
                        custom_hooks: Optional[list] = None) -> None:
-        """MMEngine's hooks, with ``EMAHook`` made DeepSpeed-aware and a ThroughputHook."""
+        """MMEngine's hooks, with ``EMAHook`` made DeepSpeed-aware; the runner's own hooks
+        (throughput, preemption, streams after validation) beside them, in
+        :attr:`added_hooks` (``hooks/registration.py``)."""
+        self.added_hooks = added_hooks(default_hooks, custom_hooks)
         super().register_hooks(default_hooks, deepspeed_custom_hooks(custom_hooks))
+
+    @override
+    def call_hook(self, fn_name: str, **kwargs: Any) -> None:
+        """MMEngine's ``call_hook`` over the registered hooks and :attr:`added_hooks`,
+        in priority order (at equal priority the registered ones first)."""
+        with hooks_in_call(self, in_priority_order(self.hooks, self.added_hooks)):
+            super().call_hook(fn_name, **kwargs)
+
+    @override
+    def get_hooks_info(self) -> str:
+        """MMEngine's listing of the registered hooks, then the runner's own."""
+        own = '\n'.join(f'({Priority(get_priority(h.priority)).name:<12}) '
+                         f'{type(h).__name__:<35}' for h in self.added_hooks)
+        return (f'{super().get_hooks_info()}\nRun beside them by DeepSpeedRunner, in '
+                f'priority order:\n{own}')

@@ -7,4 +7,5 @@ bash scripts/setup.sh
 . .venv/bin/activate
 ruff check .
 mypy
-python -m pytest -q --durations=15 "$@"
+# tests/openmmlab is its own tier (scripts/test_openmmlab.sh, in .venv-openmmlab).
+python -m pytest -q --durations=15 --ignore=tests/openmmlab "$@"

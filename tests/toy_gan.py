@@ -5,8 +5,10 @@ What the tutorial's model does and DeepSpeed integrations give up on: its own
 ``optim_wrapper['generator']``, enters ``optim_context(submodule)``, calls the
 submodules directly, and switches the discriminator's ``requires_grad`` off
 around the generator step. The generator has BatchNorm; ``generator_ema`` is
-in no optimizer (it stays plain). The noise comes with each sample, so runs
-with and without DeepSpeed see the same noise whatever RNG draws they make.
+in no optimizer (it stays plain). The noise comes with each sample, or, as in
+the tutorial, from ``torch.randn`` in ``train_step`` (``noise_from='randn'``): then
+runs with and without DeepSpeed see the same noise only if they draw from the global
+stream at the same points.
 """
 from __future__ import annotations
 
@@ -63,8 +65,9 @@ def set_requires_grad(module: nn.Module, flag: bool) -> None:
 class ToyGAN(BaseModel):
     """Generator (with BatchNorm) and discriminator, trained by the model's own step."""
 
-    def __init__(self, data_preprocessor: Optional[dict] = None):
+    def __init__(self, data_preprocessor: Optional[dict] = None, noise_from: str = 'sample'):
         super().__init__(data_preprocessor=data_preprocessor or dict(type='ToyGANPreprocessor'))
+        self.noise_from = noise_from
         # No bias before BatchNorm (it would have no gradient, as in real GANs).
         self.generator = nn.Sequential(nn.Linear(NOISE, 32, bias=False), nn.BatchNorm1d(32),
                                        nn.ReLU(), nn.Linear(32, IMAGE), nn.Tanh())
@@ -95,6 +98,8 @@ class ToyGAN(BaseModel):
     def train_step(self, data: dict, optim_wrapper: OptimWrapperDict) -> dict[str, torch.Tensor]:
         batch = self.data_preprocessor(data, True)
         real, noise = batch['inputs'], batch['noise']
+        if self.noise_from == 'randn':  # the tutorial's latent
+            noise = torch.randn(real.shape[0], NOISE, device=real.device)
 
         disc_optim = optim_wrapper['discriminator']
         with disc_optim.optim_context(self.discriminator):

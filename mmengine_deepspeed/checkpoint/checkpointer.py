@@ -41,7 +41,7 @@ from .parts import Part
 from .plan import ResumeKind, ResumePlan, plan_for, resolve_plan
 from .reshard import Layout, check_reshardable, convert
 from .safe_load import check_pickles, safe_load
-from .save import save_checkpoint_dir
+from .save import save_checkpoint_dir, write_rank_state
 from .state import plain
 from .weights import load_full_state_dict
 
@@ -80,6 +80,7 @@ class Checkpointer:
         self._plan: Optional[ResumePlan] = None
         self.weights_loaded = False  # weights are in the model (load_from, or a resume's)
         self.restored = False  # the plan's whole state was restored into the engines
+        self._last_saved: Optional[tuple[str, int, int]] = None  # path, epoch, iter
 
     def resume_after_restart(self) -> None:
         """After the elastic agent restarted the job (``--max-restarts``), resume by itself.
@@ -159,6 +160,28 @@ class Checkpointer:
         call_hook('before_save_checkpoint', checkpoint=client)
         save_checkpoint_dir(path, specs.engines(), model, plain(client), plain(rank_state),
                             facts, weights_only=weights_only)
+        self._last_saved = (path, int(facts.get('epoch', -1)), int(facts.get('iter', -1)))
+
+    def after_validation(self, epoch: int, iteration: int, parts: Sequence[Part]) -> None:
+        """Rewrite this rank's own state in the checkpoint saved at this loop position, if any.
+
+        A validation inside training runs right after the checkpoint of its
+        iteration and draws from the training's random streams (as with
+        Runner). A run resumed from a checkpoint whose position is this one
+        (``epoch``, ``iteration``) goes on after the validation, so the
+        checkpoint must hold the streams the validation left, which the run
+        that never stopped goes on from. (One saved at the last iteration of an
+        epoch records the epoch before: a run resumed from it ends that epoch
+        and validates again, from the streams saved before the validation.)
+        Each rank writes only its own file (not collective); a run stopped during
+        the validation keeps the streams from before it.
+        """
+        if self._last_saved is None or self._last_saved[1:] != (epoch, iteration) \
+                or not osp.isdir(self._last_saved[0]):
+            return
+        write_rank_state(self._last_saved[0], plain(
+            {part.key: state for part in parts
+             if part.per_rank and (state := part.state_dict()) is not None}))
 
     def restore(self, path: str, *, specs: EngineSpecs, model: nn.Module, world_size: int,
                 rank: int, parts: Sequence[Part], call_hook: CallHook) -> dict[str, Any]:

@@ -1,14 +1,16 @@
 """The training data stream, made resumable without loading what was already seen.
 
 Three things make a resumed run draw exactly the random numbers the
-uninterrupted run drew, and start in seconds wherever it resumes:
+uninterrupted run drew, and start in seconds wherever it resumes, while the
+run draws from the global random streams exactly where MMEngine's Runner does
+(so one config gives Runner's parameters):
 
-* **Iterators draw from their own generator.** Creating a DataLoader
-  iterator draws a seed from the global torch RNG unless the loader has a
-  ``generator``; the resumed loop creates its iterators at other points of
-  that stream than the straight run did, shifting every later dropout mask
-  and ``torch.randn``. :func:`resumable_loader` gives every runner dataloader
-  one (seeded by seed and rank), so the global stream belongs to the model.
+* **Iterators are created from the stream they were created from.** Creating
+  a DataLoader iterator draws its base seed from the global torch RNG (as
+  with Runner: loaders keep ``generator=None``). The loops record the streams
+  just before each epoch's iterator is created (``loop.py``); a run resumed
+  inside that epoch creates its iterator from them, then returns to the
+  streams of the checkpoint (:func:`create_iterator`).
 * **Skipping happens at the sampler.** :class:`ResumableSampler` wraps the
   sampler that the DataLoader's batch sampler iterates and drops the
   indices of batches already trained on, so nothing is loaded or
@@ -20,9 +22,10 @@ uninterrupted run drew, and start in seconds wherever it resumes:
   (seed, rank, epoch, position in the epoch) (:class:`SampleIndex`), and the
   worker reseeds python, numpy and torch from it before transforming that
   sample: a sample's random transform no longer depends on which worker
-  fetched it or on what was skipped. Without workers the transforms draw
-  from the main process's stream, which the checkpoint restores as it was
-  right after the last trained batch.
+  fetched it or on what was skipped (and so differs from the one Runner's
+  per-worker streams give: README says so). Without workers the transforms
+  draw from the main process's stream, as with Runner, which the checkpoint
+  restores as it was right after the last trained batch.
 
 A custom ``batch_sampler`` (grouped batches) and an ``IterableDataset`` are
 not wrapped: their skipped batches are loaded and dropped, as MMEngine does,
@@ -30,6 +33,7 @@ which stays exact.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 import warnings
@@ -41,6 +45,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
 from typing_extensions import override
 
+from .state import rng_state, set_rng_state
+
 
 def stream_seed(*parts: int) -> int:
     """A 32-bit seed from integers (numpy accepts no more), stable across processes."""
@@ -48,20 +54,38 @@ def stream_seed(*parts: int) -> int:
     return int.from_bytes(digest, 'little')
 
 
-def resumable_loader(loader: DataLoader, seed: Optional[int], rank: int) -> DataLoader:
-    """``loader`` with a generator of its own (unless it has one) and seeding workers.
-
-    Its iterators then draw their worker base seed from that generator, not
-    from the global torch RNG (``torch.utils.data`` draws from
-    ``loader.generator``), and its workers reseed per :class:`SampleIndex`.
+def resumable_loader(loader: DataLoader) -> DataLoader:
+    """``loader`` with workers that reseed per :class:`SampleIndex` (see :func:`seed_workers`).
 
     Returns:
         DataLoader: ``loader``.
     """
-    if loader.generator is None:
-        loader.generator = torch.Generator().manual_seed(stream_seed(seed or 0, rank, 0x10AD))
     seed_workers(loader)
     return loader
+
+
+def create_iterator(loader: DataLoader, streams: Optional[dict]) -> tuple[Any, dict]:
+    """``iter(loader)``, drawn from ``streams`` when given, and the streams it was drawn from.
+
+    Args:
+        loader (DataLoader): The training dataloader.
+        streams (dict, optional): The random streams (:func:`state.rng_state`)
+            an earlier run created this epoch's iterator from; the current
+            streams are put back afterwards. None creates it from the current
+            streams, as MMEngine does.
+
+    Returns:
+        tuple[Any, dict]: The iterator, and the streams it was created
+        from (for the checkpoint).
+    """
+    now = rng_state()
+    if streams is None:
+        return iter(loader), now
+    set_rng_state(streams)
+    try:
+        return iter(loader), streams
+    finally:
+        set_rng_state(now)
 
 
 class SampleIndex(int):
@@ -151,18 +175,25 @@ def seed_samples_in_worker(dataset: Any) -> None:
                       'transforms in DataLoader workers will not resume exactly.', stacklevel=1)
 
 
-class _WorkerInit:
-    """The loader's ``worker_init_fn``, then per-sample seeding of the worker's dataset."""
+class SeedingWorkerInit(functools.partial):
+    """The loader's ``worker_init_fn``, then per-sample seeding of the worker's dataset.
 
-    def __init__(self, init: Optional[Callable[[int], None]]):
-        self.init = init
+    A ``functools.partial`` like MMEngine's own (``func``, ``args`` and
+    ``keywords`` are those of the function it replaces), so code that reads
+    ``worker_init_fn.func`` sees MMEngine's ``worker_init_fn``.
+    """
 
-    def __call__(self, worker_id: int) -> None:
-        if self.init is not None:
-            self.init(worker_id)
+    @override
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().__call__(*args, **kwargs) if self.func is not _no_init else None
         info = get_worker_info()
         if info is not None:
             seed_samples_in_worker(info.dataset)
+        return result
+
+
+def _no_init(worker_id: int) -> None:
+    """The stand-in ``func`` of a loader that had no ``worker_init_fn``."""
 
 
 def seed_workers(loader: DataLoader) -> None:
@@ -171,8 +202,8 @@ def seed_workers(loader: DataLoader) -> None:
     Set when the loader is built, before any iterator starts (persistent)
     workers; indices without a seed are fetched as before.
     """
-    if loader.num_workers > 0 and not isinstance(loader.worker_init_fn, _WorkerInit):
-        loader.worker_init_fn = _WorkerInit(loader.worker_init_fn)
+    if loader.num_workers > 0 and not isinstance(loader.worker_init_fn, SeedingWorkerInit):
+        loader.worker_init_fn = SeedingWorkerInit(loader.worker_init_fn or _no_init)
 
 
 def make_resumable(loader: DataLoader, seed: int, rank: int) -> Optional[ResumableSampler]:
@@ -192,6 +223,6 @@ def make_resumable(loader: DataLoader, seed: int, rank: int) -> Optional[Resumab
     if isinstance(current, ResumableSampler):
         return current
     wrapper = ResumableSampler(current, seed, rank,
-                               seeded=isinstance(loader.worker_init_fn, _WorkerInit))
+                               seeded=isinstance(loader.worker_init_fn, SeedingWorkerInit))
     batch_sampler.sampler = wrapper  # type: ignore[attr-defined]
     return wrapper

@@ -59,6 +59,10 @@ OUTSIDE_ENGINES_KEY = 'outside_engines'
 EMA_KEY = 'ema_state_dict'
 # The weights in WEIGHTS_FILE and in MMEngine's ``.pth`` checkpoints.
 STATE_DICT_KEY = 'state_dict'
+# The keys of each rank's own state (RANK_FILE): RNG states and buffers; the random
+# streams the current epoch's DataLoader iterator was created from.
+RANK_STATE_KEY = 'rank_state'
+ITERATOR_STREAMS_KEY = 'iterator_streams'
 
 
 def engine_tag(name: str) -> str:

@@ -10,10 +10,17 @@ trained on at the sampler (``data_order.py``): the sample order is the same
 time to the first resumed step does not grow with the resume point.
 DeepSpeedRunner uses them wherever a config asks for MMEngine's loops.
 
-Validation inside training runs on a copy of the random streams
-(:class:`RandomStreamHook`): a checkpoint is taken before validation, so a
-validation that drew random numbers would otherwise make the resumed run draw
-other ones than the run that never stopped.
+They draw from the global random streams where MMEngine's loops do (an
+epoch's iterator is created at its start; the iteration loop's first one when
+the loop is built), and record the streams each iterator was created from, so a
+run resumed inside an epoch creates that epoch's iterator as the uninterrupted
+run did (``data_order.create_iterator``).
+
+Validation inside training draws from the training's streams, as with Runner.
+A checkpoint is taken just before such a validation, so each rank rewrites its
+streams in that checkpoint once the validation is over
+(:class:`StreamsAfterValidationHook`): a run resumed from it goes on from the
+streams the run that never stopped went on from.
 """
 from __future__ import annotations
 
@@ -27,8 +34,9 @@ from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from .data_order import ResumableSampler, make_resumable
-from .state import rng_state, set_rng_state
+from ..compat import InfiniteDataloaderIterator, diff_rank_seed
+from .data_order import ResumableSampler, create_iterator, make_resumable
+from .state import rng_state
 
 
 def resumable_loop(loop: Any) -> Any:
@@ -53,9 +61,15 @@ def resumable_loop(loop: Any) -> Any:
 
 @LOOPS.register_module()
 class ResumableEpochBasedTrainLoop(EpochBasedTrainLoop):
-    """:class:`mmengine.runner.EpochBasedTrainLoop` that resumes mid-epoch exactly."""
+    """:class:`mmengine.runner.EpochBasedTrainLoop` that resumes mid-epoch exactly.
+
+    Attributes:
+        iterator_streams (dict | None): The random streams this epoch's
+            iterator was created from (saved per rank with a checkpoint).
+    """
 
     _skip_batches = 0
+    iterator_streams: Optional[dict] = None
 
     def __init__(self, runner: Any, *args: Any, **kwargs: Any):
         super().__init__(runner, *args, **kwargs)
@@ -73,16 +87,16 @@ class ResumableEpochBasedTrainLoop(EpochBasedTrainLoop):
 
     @override
     def run_epoch(self) -> None:
-        """Iterate one epoch, from the first batch a mid-epoch checkpoint had not seen."""
+        """Iterate one epoch as MMEngine does, from the first batch a mid-epoch checkpoint
+        had not seen, through an iterator created from the streams the epoch's was."""
         skip, self._skip_batches = self._skip_batches, 0
         if self._sampler is not None:
             self._sampler.begin(self._epoch, skip * int(self.dataloader.batch_size or 1))
-        if not skip:
-            super().run_epoch()
-            return
         self.runner.call_hook('before_train_epoch')
         self.runner.model.train()
-        for idx, data_batch in enumerate(self.dataloader, start=skip if self._sampler else 0):
+        iterator, self.iterator_streams = create_iterator(
+            self.dataloader, self.iterator_streams if skip else None)
+        for idx, data_batch in enumerate(iterator, start=skip if self._sampler else 0):
             if idx >= skip:  # a custom batch_sampler: its skipped batches are loaded, dropped
                 self.run_iter(idx, data_batch)
         self.runner.call_hook('after_train_epoch')
@@ -97,61 +111,87 @@ def _log_skip(runner: Any, batches: int, where: str, at_sampler: bool) -> None:
                        f'{where}already trained on, {how}.')
 
 
-class EpochIterator:
-    """Batches forever, epoch after epoch (MMEngine's ``_InfiniteDataloaderIterator``),
+class EpochIterator(InfiniteDataloaderIterator):
+    """MMEngine's ``_InfiniteDataloaderIterator`` (batches forever, epoch after epoch),
     able to start at any iteration without loading the batches before it.
+
+    As MMEngine's, it creates its first DataLoader iterator when it is built
+    and each next one when an epoch ends; it records the random streams each
+    was created from (:attr:`streams`).
 
     Args:
         loader (DataLoader): The train dataloader.
         sampler (ResumableSampler, optional): Its wrapped sampler; None where
             ``make_resumable`` left the loader as it was: batches are then loaded to
             be skipped.
+        started (_InfiniteDataloaderIterator, optional): MMEngine's iterator over
+            ``loader``, whose first DataLoader iterator this one goes on with.
+            Defaults to None (create one now).
+        streams (dict, optional): The random streams ``started`` was created
+            from. Defaults to None.
     """
 
-    def __init__(self, loader: DataLoader, sampler: Optional[ResumableSampler]):
-        self.loader, self.sampler = loader, sampler
-        self.epoch = 0
-        self._iterator: Any = None  # the current epoch's DataLoader iterator
+    def __init__(self, loader: DataLoader, sampler: Optional[ResumableSampler],
+                 started: Optional[InfiniteDataloaderIterator] = None,
+                 streams: Optional[dict] = None):
+        self.sampler = sampler
         self._skip = 0
         self._forwarding = 0
+        self._restart = self._from_saved = False
+        # MMEngine's __init__ (not called) sets these three and creates an iterator,
+        # which _start() does here, recording the streams it was created from.
+        self._dataloader, self._epoch = loader, 0
+        self.streams = streams
+        if started is None:
+            self._start()
+        else:  # MMEngine's, built by IterBasedTrainLoop: go on with its DataLoader iterator
+            self._iterator = started._iterator
 
     def fast_forward(self, iterations: int) -> None:
         """Make the next ``iterations`` calls return None without loading anything, and
-        the one after them the batch that iteration ``iterations`` would have seen."""
-        if self.sampler is None:
+        the one after them the batch that iteration ``iterations`` would have seen, from
+        an iterator created from the streams of that epoch's (once :attr:`streams` holds
+        them: the checkpoint restores them after this call)."""
+        if self.sampler is None or not iterations:
             return  # MMEngine's loop loads and drops them, which stays exact
         self._forwarding = iterations
-        per_epoch = len(self.loader)
+        per_epoch = len(self._dataloader)
         if isinstance(self.sampler.sampler, InfiniteSampler) or not per_epoch:
-            self.epoch, within = 0, iterations  # one endless pass
+            self._epoch, within = 0, iterations  # one endless pass
         else:
-            self.epoch, within = divmod(iterations, per_epoch)
-        self._skip = within * int(self.loader.batch_size or 1)
-        self._iterator = None
+            self._epoch, within = divmod(iterations, per_epoch)
+        self._skip = within * int(self._dataloader.batch_size or 1)
+        # At an epoch's start the run that never stopped created the iterator when the
+        # first batch was asked for, from the streams of that moment: so does this one.
+        self._restart = True
+        self._from_saved = within > 0
 
-    def _start(self) -> None:
-        sampler = self.loader.sampler
+    def _start(self, streams: Optional[dict] = None) -> None:
+        sampler = self._dataloader.sampler
         if hasattr(sampler, 'set_epoch'):
-            sampler.set_epoch(self.epoch)
+            sampler.set_epoch(self._epoch)
         if self.sampler is not None:
-            self.sampler.begin(self.epoch, self._skip)
+            self.sampler.begin(self._epoch, self._skip)
         self._skip = 0
-        self._iterator = iter(self.loader)
+        self._iterator, self.streams = create_iterator(self._dataloader, streams)
 
+    @override
     def __iter__(self) -> EpochIterator:
         return self
 
+    @override
     def __next__(self) -> Any:
         if self._forwarding:
             self._forwarding -= 1
             return None
-        if self._iterator is None:
-            self._start()
+        if self._restart:
+            self._restart = False
+            self._start(self.streams if self._from_saved else None)
         try:
             return next(self._iterator)
         except StopIteration:
-            self.epoch += 1
-            if self.loader.num_workers > 0:
+            self._epoch += 1
+            if self._dataloader.num_workers > 0:
                 time.sleep(2)  # as MMEngine: workers can deadlock on an immediate restart
             self._start()
             return next(self._iterator)
@@ -161,41 +201,73 @@ class EpochIterator:
 class ResumableIterBasedTrainLoop(IterBasedTrainLoop):
     """:class:`mmengine.runner.IterBasedTrainLoop` whose resume loads no skipped batch."""
 
-    def __init__(self, runner: Any, *args: Any, **kwargs: Any):
-        super().__init__(runner, *args, **kwargs)
-        # Ours in place of MMEngine's _InfiniteDataloaderIterator (the loop only calls next()).
-        self.dataloader_iterator = cast(Any, EpochIterator(
-            self.dataloader, make_resumable(self.dataloader, runner.seed, runner.rank)))
+    def __init__(self, runner: Any, dataloader: Any, *args: Any, **kwargs: Any):
+        # MMEngine's __init__ builds the loader, then an _InfiniteDataloaderIterator (one
+        # DataLoader iterator: one draw). The loader is built here as MMEngine would, so
+        # that its sampler is wrapped and the streams are recorded just before that draw.
+        if isinstance(dataloader, dict):
+            dataloader = runner.build_dataloader(dataloader, seed=runner.seed,
+                                                 diff_rank_seed=diff_rank_seed(runner))
+        self._sampler = make_resumable(dataloader, runner.seed, runner.rank)
+        self._streams_at_start: Optional[dict] = rng_state()
+        self._ours: Optional[EpochIterator] = None
+        super().__init__(runner, dataloader, *args, **kwargs)
+
+    @property  # type: ignore[override,explicit-override]
+    def dataloader_iterator(self) -> EpochIterator:
+        """The loop's :class:`EpochIterator` (an ``_InfiniteDataloaderIterator``)."""
+        return cast(EpochIterator, self._ours)
+
+    @dataloader_iterator.setter
+    def dataloader_iterator(self, value: Any) -> None:
+        if not isinstance(value, EpochIterator):  # MMEngine's __init__: ours goes on with it
+            value = EpochIterator(self.dataloader, self._sampler, started=value,
+                                  streams=self._streams_at_start)
+            self._streams_at_start = None
+        self._ours = value
+
+    @property
+    def iterator_streams(self) -> Optional[dict]:
+        """The random streams the current epoch's iterator was created from."""
+        return self.dataloader_iterator.streams
+
+    @iterator_streams.setter
+    def iterator_streams(self, streams: Optional[dict]) -> None:
+        self.dataloader_iterator.streams = streams
 
     def skip_trained_batches(self) -> None:
         """Arrange for ``run()``'s fast-forward over the trained iterations to load nothing."""
-        iterator = cast(EpochIterator, self.dataloader_iterator)
+        iterator = self.dataloader_iterator
         iterator.fast_forward(self._iter)
         if self._iter:
             _log_skip(self.runner, self._iter, '', iterator.sampler is not None)
 
 
 @HOOKS.register_module()
-class RandomStreamHook(Hook):
-    """Validation during training leaves the training's random streams as they were.
+class StreamsAfterValidationHook(Hook):
+    """A checkpoint taken just before a validation in training gets the streams after it.
 
-    Python's, numpy's and torch's (CUDA's) RNG states are saved before and
-    restored after each validation, so that the draws of a validation (a
-    sampling model, a random test transform without workers) do not depend
-    on whether the run was resumed after the checkpoint that preceded it.
+    Validation draws from the training's random streams (as with Runner); a
+    run resumed from the checkpoint saved at that iteration must go on from
+    the streams the validation left, as the run that never stopped did. Each
+    rank rewrites its per-rank state in that checkpoint (``Checkpointer``).
     """
 
-    priority = 'HIGHEST'
+    priority = 'LOWEST'
 
     def __init__(self) -> None:
-        self._saved: Optional[dict] = None
+        self._training = False
 
     @override
-    def before_val(self, runner: Any) -> None:
-        self._saved = rng_state()
+    def before_train(self, runner: Any) -> None:
+        self._training = True
+
+    @override
+    def after_train(self, runner: Any) -> None:
+        self._training = False
 
     @override
     def after_val(self, runner: Any) -> None:
-        if self._saved is not None:
-            set_rng_state(self._saved)
-            self._saved = None
+        if self._training:
+            runner.checkpointer.after_validation(runner.epoch, runner.iter,
+                                                runner.checkpoint_parts())

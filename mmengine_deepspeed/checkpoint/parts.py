@@ -20,11 +20,13 @@ from torch import nn
 from ..compat import set_loop_position
 from ..engine.spec import SINGLE_ENGINE
 from .layout import (
+    ITERATOR_STREAMS_KEY,
     MESSAGE_HUB_KEY,
     META_KEY,
     OUTSIDE_ENGINES_KEY,
     PARAM_GROUPS_KEY,
     PARAM_SCHEDULERS_KEY,
+    RANK_STATE_KEY,
 )
 from .state import hub_state, load_hub_state, load_rank_state, outside_engines, rank_state
 
@@ -204,6 +206,26 @@ class OutsideEnginesPart:
 
 
 @dataclass
+class IteratorStreamsPart:
+    """The random streams the current epoch's DataLoader iterator was created from.
+
+    Per rank: a run resumed inside that epoch creates its iterator from them
+    (``data_order.create_iterator``). Loops without the attribute save nothing.
+    """
+
+    loop: Any
+    key: str = ITERATOR_STREAMS_KEY
+    per_rank: bool = True
+
+    def state_dict(self) -> Optional[dict]:
+        return getattr(self.loop, 'iterator_streams', None)
+
+    def load_state_dict(self, state: dict) -> None:
+        if hasattr(self.loop, 'iterator_streams'):
+            self.loop.iterator_streams = state
+
+
+@dataclass
 class RankStatePart:
     """What differs between ranks: RNG states and buffers (BatchNorm statistics).
 
@@ -212,7 +234,7 @@ class RankStatePart:
     """
 
     model: nn.Module
-    key: str = 'rank_state'
+    key: str = RANK_STATE_KEY
     per_rank: bool = True
 
     def state_dict(self) -> dict:

@@ -24,6 +24,7 @@ from .checkpointer import Checkpointer, run_facts
 from .layout import CheckpointError
 from .load_weights import load_weights_into
 from .parts import (
+    IteratorStreamsPart,
     LoopPart,
     MessageHubPart,
     OutsideEnginesPart,
@@ -73,6 +74,7 @@ class CheckpointMethods(Runner):
             MessageHubPart(self.message_hub),
             SchedulersPart(self.param_schedulers, schedule, self.logger, save_param_scheduler),
             RankStatePart(self.bare_model),
+            IteratorStreamsPart(loop),
         ]
 
     def _dataset_meta(self) -> Any:

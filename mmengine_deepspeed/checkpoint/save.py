@@ -84,7 +84,7 @@ def save_checkpoint_dir(path: str, engines: Mapping[str, DeepSpeedEngine], model
             engine.save_checkpoint(path, tag=engine_tag(name), save_latest=False, client_state={
                 UNIVERSAL_CHECKPOINT_INFO: {
                     UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}})
-    torch.save(rank_state, osp.join(path, RANK_FILE.format(rank=rank)))
+    write_rank_state(path, rank_state)
     if rank == 0:
         torch.save(client_state, osp.join(path, CLIENT_FILE))
     dist.barrier()
@@ -156,3 +156,12 @@ def save_failure(path: str, error: BaseException, work_dir: str) -> str:
     return (f'Saving checkpoint {path} failed: {cause}. It is left incomplete (no COMPLETE '
             f'marker) and is never resumed from; {resumes}. Fix the cause (free space, or '
             'another out_dir) and resume.')
+
+
+def write_rank_state(path: str, rank_state: dict[str, Any]) -> None:
+    """This rank's own state into checkpoint ``path`` (a temporary file, then renamed: a
+    complete checkpoint keeps a whole rank file whenever this is cut short)."""
+    target = osp.join(path, RANK_FILE.format(rank=dist.get_rank()))
+    tmp = f'{target}.tmp{os.getpid()}'
+    torch.save(rank_state, tmp)
+    os.replace(tmp, target)

@@ -182,8 +182,8 @@ WRAPPER_DICT_OPTIONS = ('constructor', 'paramwise_cfg')
 
 
 def _batch_size(dataloader: Any) -> Optional[int]:
-    if isinstance(dataloader, DataLoader):
-        return dataloader.batch_size
+    if isinstance(dataloader, DataLoader):  # a batch sampler (MMDetection's) holds its own
+        return dataloader.batch_size or getattr(dataloader.batch_sampler, 'batch_size', None)
     if isinstance(dataloader, dict):
         return dataloader.get('batch_size')
     return None
@@ -253,17 +253,30 @@ def mmengine_settings(train_dataloader: Any, optim_wrapper: Any,
     return {name: side(wrapper) for name, wrapper in items}
 
 
-def as_plain_wrappers(optim_wrapper: Any) -> Any:
+def as_plain_wrappers(optim_wrapper: Any, only_ours: bool = False) -> Any:
     """``optim_wrapper`` config with each wrapper built as MMEngine's ``OptimWrapper``.
 
     ``DeepSpeedOptimWrapper`` needs its engine, which exists only after the
     optimizer is built; the runner wraps the built optimizers afterwards.
+
+    Args:
+        optim_wrapper (Any): The ``optim_wrapper`` argument (a config, or built).
+        only_ours (bool): Replace only ``DeepSpeedOptimWrapper``, keeping any other
+            type (MMEngine's factory, called by the user). Defaults to False: every
+            wrapper becomes an ``OptimWrapper`` (the engines' optimizers).
     """
+    def plain(config: dict) -> dict:
+        kind = config.get('type', 'OptimWrapper')
+        if only_ours and getattr(kind, '__name__', kind) != 'DeepSpeedOptimWrapper':
+            return config
+        return dict(config, type='OptimWrapper')
+
     if not isinstance(optim_wrapper, dict):
         return optim_wrapper
     if not is_several(optim_wrapper):
-        return dict(optim_wrapper, type='OptimWrapper')
-    return {k: dict(v, type='OptimWrapper') if k not in WRAPPER_DICT_OPTIONS else v
+        return plain(optim_wrapper)
+    # configs become OptimWrapper configs; built wrappers (a dict of them) stay as they are
+    return {k: plain(v) if k not in WRAPPER_DICT_OPTIONS and isinstance(v, dict) else v
             for k, v in optim_wrapper.items()}
 
 

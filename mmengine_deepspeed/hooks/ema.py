@@ -10,9 +10,9 @@ MMEngine's averaging (the same ``ExponentialMovingAverage`` & co. models,
 * builds the averaged model from an fp32 copy of the model taken before
   DeepSpeed partitions it (the runner hands it over);
 * reads the source weights gathered (ZeRO-3) and in fp32;
-* for validation and test, writes the EMA weights into the engine's module
-  and restores the trained ones afterwards (``GatheredParameters`` with a
-  modifier rank under ZeRO-3), leaving DeepSpeed's fp32 masters untouched;
+* for validation and test, exchanges the EMA weights and the engine module's
+  (as MMEngine does) and restores both exactly afterwards (``GatheredParameters``
+  with a modifier rank under ZeRO-3), leaving DeepSpeed's fp32 masters untouched;
 * saves and resumes ``ema_state_dict`` in our client state, which
   ``mmengine-deepspeed convert --ema`` exports.
 
@@ -62,6 +62,7 @@ class DeepSpeedEMAHook(EMAHook):
         super().__init__(**kwargs)
         self._template: Optional[nn.Module] = None
         self._trained: Optional[dict[str, torch.Tensor]] = None
+        self._averaged: Optional[dict[str, torch.Tensor]] = None
 
     def take_template(self, model: nn.Module) -> None:
         """Keep an fp32 copy of the bare model (called before ``deepspeed.initialize``).
@@ -101,23 +102,30 @@ class DeepSpeedEMAHook(EMAHook):
 
     @override
     def _swap_ema_parameters(self) -> None:
-        """Put the EMA weights into the model, or the trained ones back.
+        """Exchange the EMA weights and the model's, as MMEngine does, exactly both ways.
 
-        MMEngine swaps in place; here the trained weights are kept aside
-        (exact, in their own dtype) and the EMA ones cast into the model.
+        MMEngine swaps in place: during validation the model holds the averaged
+        weights and the averaged model the trained ones. Here both are also kept
+        aside, each in its own dtype, and the swap back restores them from there:
+        an fp32 average that spent the validation in a bf16 model, or bf16 weights
+        that spent it in the fp32 averaged model, come back bit for bit.
         """
         names = [name for name, _ in self._averaged_items()]
         with gathered(self.src_model, modify=True):
             live = dict(self._live_items())
+            averaged = dict(self._averaged_items())
             if self._trained is None:
                 self._trained = {n: live[n].detach().clone() for n in names}
-                averaged = dict(self._averaged_items())
+                self._averaged = {n: averaged[n].detach().clone() for n in names}
                 for name in names:
-                    live[name].data.copy_(averaged[name].data)
+                    live[name].data.copy_(self._averaged[name])
+                    averaged[name].data.copy_(self._trained[name])
             else:
+                trained, kept = self._trained, self._averaged or {}
                 for name in names:
-                    live[name].data.copy_(self._trained[name])
-                self._trained = None
+                    live[name].data.copy_(trained[name])
+                    averaged[name].data.copy_(kept[name])
+                self._trained = self._averaged = None
 
     def _averaged_items(self) -> list[tuple[str, torch.Tensor]]:
         module = self.ema_model.module

@@ -62,9 +62,11 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
         hook.before_val_epoch(runner)
         with deepspeed.zero.GatheredParameters(list(bare.parameters())):
             result['swapped_in'] = model_state(bare)
+        result['ema_swapped_in'] = model_state(hook.ema_model.module)
         hook.after_val_epoch(runner)
         with deepspeed.zero.GatheredParameters(list(bare.parameters())):
             result['swapped_back'] = model_state(bare)
+        result['ema_swapped_back'] = model_state(hook.ema_model.module)
         result['parameter_names'] = [n for n, _ in bare.named_parameters()]
     if 'resume_first' in scenario:  # runner.resume(path) before train()
         runner.resume(scenario['resume_first'])

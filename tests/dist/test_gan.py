@@ -30,6 +30,7 @@ def zero(stage: int) -> dict:
 
 EVERY_6 = {'type': 'CheckpointHook', 'interval': 6, 'by_epoch': False}
 EMA = {'type': 'EMAHook', 'momentum': 0.2}
+RANDN = {'type': 'ToyGAN', 'noise_from': 'randn'}
 PARITY = [
     {'name': 'plain', 'mode': 'plain', 'cfg': {}},
     {'name': 'z0', 'form': 'objects', 'cfg': {'ds_config': zero(0)}},
@@ -37,6 +38,9 @@ PARITY = [
     {'name': 'z3_val', 'mode': 'val', 'cfg': {'ds_config': zero(3)}},
     {'name': 'z2_bf16', 'cfg': {'ds_config': dict(zero(2), bf16={'enabled': True}),
                                 'max_iters': 6}},
+    # the tutorial's noise: torch.randn in train_step
+    {'name': 'plain_randn', 'mode': 'plain', 'cfg': {'model': RANDN}},
+    *({'name': f'z{s}_randn', 'cfg': {'ds_config': zero(s), 'model': RANDN}} for s in (0, 2, 3)),
 ]
 RESUME = [
     {'name': 'straight_z2', 'cfg': {'ds_config': zero(2), 'max_iters': 12, 'checkpoint': EVERY_6}},
@@ -100,6 +104,17 @@ def test_gan_trains_as_with_mmengine_runner(out: str, name: str) -> None:
     assert all(n > 0 for n in ours['grad_norm_d'])
     # validation (after the last iteration) saw every submodule in eval mode, each engine's too
     assert ours['val_modes'] and not any(ours['val_modes'])
+
+
+@pytest.mark.parametrize('stage', [0, 2, 3])
+def test_gan_drawing_its_noise_trains_as_with_mmengine_runner(out: str, stage: int) -> None:
+    """The tutorial's GAN draws its latent with torch.randn in train_step: DeepSpeedRunner
+    draws from the global streams where Runner does, so the noise and the weights match."""
+    plain, ours = result(out, 'plain_randn'), result(out, f'z{stage}_randn')
+    assert_close(ours['state'], plain['state'], atol=1e-5)
+    assert ours['losses'] == pytest.approx(plain['losses'], abs=1e-5)
+    assert max((ours['state'][k] - v).abs().max().item()
+               for k, v in result(out, f'z{stage}')['state'].items()) > 1e-3  # other noise
 
 
 def test_bf16_submodules_get_their_inputs_cast(out: str) -> None:

@@ -241,11 +241,15 @@ def test_save_checkpoint_before_train_and_after_val(results: dict) -> None:
 def test_ema_hook_driven_by_hand_swaps_the_averaged_weights(results: dict) -> None:
     """MMEngine's EMAHook tests (and some user hooks) call before_run, then
     before_val_epoch / after_val_epoch, before any engine exists: under ZeRO-3 the averaged
-    weights go in and the model's come back, whole."""
+    weights go in and the model's come back, whole; as MMEngine swaps, the averaged model
+    holds the trained weights meanwhile, and gets its own back."""
     for rank in results[2]['ema_by_hand']:
         assert rank['parameter_names']
         for name in rank['parameter_names']:
             assert torch.equal(rank['swapped_in'][name],
+                               torch.full_like(rank['before'][name], 0.5)), name
+            assert torch.equal(rank['ema_swapped_in'][name], rank['before'][name])
+            assert torch.equal(rank['ema_swapped_back'][name],
                                torch.full_like(rank['before'][name], 0.5)), name
         for key, value in rank['before'].items():
             assert torch.equal(rank['swapped_back'][key], value), key

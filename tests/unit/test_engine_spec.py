@@ -5,7 +5,7 @@ import pytest
 import torch
 from mmengine.optim import OptimWrapper
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from mmengine_deepspeed.engine.spec import (
     EngineSpecs,
@@ -88,3 +88,12 @@ def test_specs_resolve_each_engine_and_share_what_must_agree() -> None:
     assert specs['generator'].label == "optim_wrapper['generator']"
     specs.for_evaluation()
     assert [spec.name for spec in specs] == ['model'] and not specs.built
+
+
+def test_batch_size_of_a_loader_with_a_batch_sampler() -> None:
+    """MMDetection's AspectRatioBatchSampler: the DataLoader's batch_size is None, the
+    batch sampler holds it (the engine's micro batch, throughput and banner use it)."""
+    data = list(range(8))
+    loader = DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), 3, False))
+    side, = mmengine_settings(loader, dict(optimizer=dict(type='SGD', lr=0.1)), None).values()
+    assert side.batch_size == 3

@@ -4,6 +4,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
+from mmengine.hooks import CheckpointHook
+from mmengine.optim import OptimWrapper, OptimWrapperDict
+from mmengine.registry import OPTIM_WRAPPERS
+from mmengine.runner import Runner
 
 from mmengine_deepspeed import DeepSpeedRunner, DsConfigError
 from tests.helpers import toy_config
@@ -56,3 +61,47 @@ def test_runners_of_the_same_second_get_their_own_logger_and_message_hub(
     assert second.experiment_name == 'sweep_20261204_120000_2'
     assert first.message_hub is not second.message_hub
     assert first.logger is not second.logger
+
+
+def test_hooks_are_registered_as_by_mmengines_runner(tmp_path: Any) -> None:
+    """runner.hooks holds what Runner's holds (CheckpointHook as its DeepSpeed-aware
+    subclass); the runner's own hooks run beside them, and re-registering MMEngine's
+    defaults registers MMEngine's six."""
+    cfg = toy_config(str(tmp_path / 'w'), custom_hooks=[dict(type='RecorderHook')],
+                     checkpoint=dict(type='CheckpointHook', interval=2))
+    ours = DeepSpeedRunner(**cfg, experiment_name='hooks_ours')
+    theirs = Runner(**cfg, experiment_name='hooks_theirs')
+    assert [type(h).__name__ for h in ours.hooks] == [
+        'DeepSpeedCheckpointHook' if isinstance(h, CheckpointHook) else type(h).__name__
+        for h in theirs.hooks]
+    assert {type(h).__name__ for h in ours.added_hooks} == {
+        'ThroughputHook', 'StreamsAfterValidationHook', 'PreemptionHook'}
+    assert 'Run beside them by DeepSpeedRunner' in ours.get_hooks_info()
+    registered = ours.hooks
+    registered.clear()
+    ours.register_default_hooks()
+    assert len(registered) == 6
+
+
+def test_build_optim_wrapper_is_mmengines_for_any_wrapper(tmp_path: Any) -> None:
+    """Called by the user: the config's own OptimWrapper type, and built wrappers in a
+    dict (an OptimWrapperDict, on which param schedulers build per optimizer)."""
+    runner = DeepSpeedRunner(**toy_config(str(tmp_path / 'w')), experiment_name='factory')
+    model = runner.bare_model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    built = runner.build_optim_wrapper(dict(optimizer=optimizer, type='CountingOptimWrapper',
+                                            accumulative_counts=2))
+    assert type(built) is CountingOptimWrapper and built.optimizer is optimizer
+    several = runner.build_optim_wrapper(dict(
+        first=OptimWrapper(torch.optim.SGD(model.fc1.parameters(), lr=0.1)),
+        second=OptimWrapper(torch.optim.Adam(model.fc2.parameters(), lr=0.01))))
+    assert isinstance(several, OptimWrapperDict) and set(several.keys()) == {'first', 'second'}
+    runner.optim_wrapper = several
+    schedulers = runner.build_param_scheduler(dict(type='MultiStepLR', milestones=[1]))
+    assert set(schedulers) == {'first', 'second'}
+    assert schedulers['second'][0].optimizer is several['second']
+
+
+@OPTIM_WRAPPERS.register_module(force=True)
+class CountingOptimWrapper(OptimWrapper):
+    """A user's own OptimWrapper type."""

@@ -1,6 +1,8 @@
 """Unit tests of failure.py, preemption.py and checkpoint/data_order.py (one process)."""
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import pickle
 import random
@@ -11,21 +13,36 @@ import numpy as np
 import pytest
 import torch
 from mmengine.dataset import DefaultSampler
+from mmengine.dataset import worker_init_fn as mmengine_worker_init_fn
+from mmengine.hooks import Hook
 from mmengine.optim import OptimWrapper, OptimWrapperDict
+from mmengine.runner import Runner
+from mmengine.runner.priority import get_priority
 from torch.utils.data import DataLoader, Dataset
 
+from mmengine_deepspeed import DeepSpeedRunner
 from mmengine_deepspeed.checkpoint.data_order import (
     ResumableSampler,
     SampleIndex,
+    SeedingWorkerInit,
+    create_iterator,
     make_resumable,
     resumable_loader,
     seed_samples_in_worker,
     seed_workers,
     stream_seed,
 )
+from mmengine_deepspeed.checkpoint.loop import EpochIterator
+from mmengine_deepspeed.compat import InfiniteDataloaderIterator
 from mmengine_deepspeed.failure import is_failure
+from mmengine_deepspeed.hooks.monitor import ThroughputHook
 from mmengine_deepspeed.hooks.preemption import Preempted, PreemptionHook, _at_update_boundary
-from mmengine_deepspeed.hooks.registration import deepspeed_default_hooks
+from mmengine_deepspeed.hooks.registration import (
+    added_hooks,
+    deepspeed_default_hooks,
+    in_priority_order,
+)
+from tests.helpers import ToyDataset  # noqa: F401  registers it
 
 
 class Noisy(Dataset):
@@ -79,11 +96,32 @@ def test_preemption_waits_for_an_accumulation_boundary() -> None:
     assert not _at_update_boundary(OptimWrapperDict(a=other, b=wrapper))  # every one counts
 
 
-def test_preemption_is_a_default_hook_that_none_removes() -> None:
-    assert deepspeed_default_hooks(None)['preemption'] == dict(type='PreemptionHook')
-    assert 'preemption' not in deepspeed_default_hooks(dict(preemption=None))
-    custom = dict(type='PreemptionHook', interval=5)
-    assert deepspeed_default_hooks(dict(preemption=custom))['preemption'] == custom
+def test_default_hooks_preemption_configures_the_runners_own_hook() -> None:
+    """MMEngine's six default hooks stay six (``preemption`` is not registered); the key
+    configures the PreemptionHook the runner runs beside them, None leaves it out."""
+    assert 'preemption' not in deepspeed_default_hooks(None)
+    assert 'preemption' not in deepspeed_default_hooks(dict(preemption=dict(interval=5)))
+
+    def preemption(default_hooks: Any) -> list:
+        return [h for h in added_hooks(default_hooks, None) if isinstance(h, PreemptionHook)]
+
+    assert len(preemption(None)) == 1
+    assert preemption(dict(preemption=None)) == []
+    custom, = preemption(dict(preemption=dict(type='PreemptionHook', interval=5)))
+    assert custom.interval == 5
+
+
+def test_the_runners_own_hooks_run_in_priority_order_with_the_registered() -> None:
+    registered = [Hook(), Hook()]
+    registered[0].priority, registered[1].priority = 'VERY_HIGH', 'LOW'
+    own = added_hooks(None, None)
+    merged = in_priority_order(registered, own)
+    assert merged[0] is registered[0] and set(map(id, merged)) == set(map(id, registered + own))
+    priorities = [get_priority(h.priority) for h in merged]
+    assert priorities == sorted(priorities)
+    assert in_priority_order(merged, own) == merged  # a nested call adds nothing twice
+    assert not any(isinstance(h, ThroughputHook)
+                   for h in added_hooks(None, [dict(type='ThroughputHook', interval=3)]))
 
 
 def test_sampler_skips_without_touching_the_skipped_and_seeds_by_position() -> None:
@@ -121,14 +159,55 @@ def test_a_worker_dataset_reseeds_per_sample() -> None:
     assert stream_seed(1, 2, 3) == stream_seed(1, 2, 3) != stream_seed(1, 2, 4)
 
 
-def test_loader_iterators_leave_the_global_stream_alone() -> None:
-    loader = resumable_loader(DataLoader(Noisy(), batch_size=2, num_workers=0), 0, 0)
+def test_iterators_draw_as_runners_and_can_be_drawn_from_saved_streams() -> None:
+    """Created as MMEngine creates them, iterators draw their base seed from the global
+    stream (Runner's parameters for random models); created from saved streams, they draw
+    what they drew then and leave the current streams as they were (exact resume)."""
+    loader = resumable_loader(DataLoader(Noisy(), batch_size=2, num_workers=0))
+    assert loader.generator is None
     torch.manual_seed(5)
-    expected = torch.rand(1)
+    plain_seed = iter(loader)._base_seed
+    after_plain = torch.get_rng_state()
     torch.manual_seed(5)
-    iter(loader)
-    iter(loader)
-    assert torch.equal(torch.rand(1), expected)
+    first, streams = create_iterator(loader, None)
+    assert first._base_seed == plain_seed and torch.equal(torch.get_rng_state(), after_plain)
+    torch.manual_seed(11)
+    now = torch.get_rng_state()
+    again, same = create_iterator(loader, streams)
+    assert again._base_seed == plain_seed and same is streams
+    assert torch.equal(torch.get_rng_state(), now)
+
+
+def test_worker_init_fn_stays_mmengines_partial() -> None:
+    """MMEngine's worker_init_fn partial (func and keywords) is kept, seeding added."""
+    cfg = dict(batch_size=2, num_workers=2, dataset=dict(type='ToyDataset', size=8),
+               sampler=dict(type='DefaultSampler', shuffle=True))
+    ours = DeepSpeedRunner.build_dataloader(copy.deepcopy(cfg), seed=3)
+    theirs = Runner.build_dataloader(copy.deepcopy(cfg), seed=3)
+    assert isinstance(ours.worker_init_fn, functools.partial)
+    assert isinstance(ours.worker_init_fn, SeedingWorkerInit)
+    assert ours.worker_init_fn.func is theirs.worker_init_fn.func is mmengine_worker_init_fn
+    assert ours.worker_init_fn.keywords == theirs.worker_init_fn.keywords
+    restored = pickle.loads(pickle.dumps(ours.worker_init_fn))
+    assert restored.keywords == theirs.worker_init_fn.keywords
+
+
+def test_the_iteration_loops_iterator_is_mmengines_type_and_draws_as_it_does() -> None:
+    dataset = Noisy()
+
+    def loader() -> DataLoader:
+        return DataLoader(dataset, batch_size=3, sampler=DefaultSampler(dataset, seed=1))
+
+    torch.manual_seed(2)
+    theirs = InfiniteDataloaderIterator(loader())
+    after = torch.get_rng_state()
+    torch.manual_seed(2)
+    plain = loader()
+    ours = EpochIterator(plain, make_resumable(plain, seed=1, rank=0))
+    assert isinstance(ours, InfiniteDataloaderIterator)
+    assert torch.equal(torch.get_rng_state(), after)
+    assert [next(ours)[0].tolist() for _ in range(8)] == [
+        next(theirs)[0].tolist() for _ in range(8)]
 
 
 def test_make_resumable_wraps_the_default_batch_sampler_only() -> None:

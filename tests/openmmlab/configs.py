@@ -1,0 +1,106 @@
+"""Configs of the real OpenMMLab libraries with the three lines, on generated data.
+
+Each is a user's config as the README says to write it: the library's own config as
+``_base_``, then the three lines, then what any user changes to train on their own
+small data set without downloads: the data root and sizes, no pretrained checkpoint
+(the machine has no internet), a short schedule, and detectors keeping their low-score
+boxes (after 4 iterations every score is below the configs' 0.05, and COCO's metric is
+then empty). Nothing else of the model changes.
+"""
+from __future__ import annotations
+
+THREE_LINES = '''
+custom_imports = dict(imports=['mmengine_deepspeed'], allow_failed_imports=False)
+runner_type = 'DeepSpeedRunner'
+ds_config = dict(zero_optimization=dict(stage=2))
+'''
+
+DETECTION_DATA = '''
+data_root = '{root}/'
+train_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='LoadAnnotations', with_bbox=True),
+    dict(type='Resize', scale=(128, 128), keep_ratio=True),
+    dict(type='RandomFlip', prob=0.5),
+    dict(type='PackDetInputs'),
+]
+test_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='Resize', scale=(128, 128), keep_ratio=True),
+    dict(type='LoadAnnotations', with_bbox=True),
+    dict(type='PackDetInputs',
+         meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor')),
+]
+train_dataloader = dict(batch_size=2, num_workers=0, persistent_workers=False,
+                        dataset=dict(data_root=data_root, pipeline=train_pipeline))
+val_dataloader = dict(batch_size=1, num_workers=0, persistent_workers=False,
+                      dataset=dict(data_root=data_root, pipeline=test_pipeline))
+test_dataloader = val_dataloader
+val_evaluator = dict(ann_file=data_root + 'annotations/instances_val2017.json')
+test_evaluator = val_evaluator
+train_cfg = dict(max_epochs=2, val_interval=2)
+default_hooks = dict(logger=dict(interval=1))
+'''
+
+CONFIGS = {
+    # MMDetection, one-stage: RetinaNet R-18 FPN (anchors built with torch.Tensor(numpy))
+    'retinanet': ('mmdet', "_base_ = 'mmdet::retinanet/retinanet_r18_fpn_1xb8-1x_coco.py'"
+                  + THREE_LINES + DETECTION_DATA + '''
+model = dict(backbone=dict(init_cfg=None), test_cfg=dict(score_thr=0.0))
+''', 'coco/bbox_mAP'),
+    # MMDetection, two-stage: Faster R-CNN FPN (RPN, RoIAlign from mmcv.ops), R-18 backbone
+    'faster_rcnn': ('mmdet', "_base_ = 'mmdet::faster_rcnn/faster-rcnn_r50_fpn_1x_coco.py'"
+                    + THREE_LINES + DETECTION_DATA + '''
+model = dict(backbone=dict(depth=18, init_cfg=None),
+             neck=dict(in_channels=[64, 128, 256, 512]),
+             test_cfg=dict(rcnn=dict(score_thr=0.0)))
+''', 'coco/bbox_mAP'),
+    # MMSegmentation: SegFormer MiT-b0 (drop-path rates from torch.linspace(...).item())
+    'segformer': ('mmseg', "_base_ = 'mmseg::segformer/"
+                  "segformer_mit-b0_8xb2-160k_ade20k-512x512.py'" + THREE_LINES + '''
+data_root = '{root}'
+crop_size = (64, 64)
+model = dict(data_preprocessor=dict(size=crop_size), backbone=dict(init_cfg=None))
+train_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='LoadAnnotations', reduce_zero_label=True),
+    dict(type='RandomResize', scale=(128, 64), ratio_range=(0.5, 2.0), keep_ratio=True),
+    dict(type='RandomCrop', crop_size=crop_size, cat_max_ratio=0.75),
+    dict(type='RandomFlip', prob=0.5),
+    dict(type='PhotoMetricDistortion'),
+    dict(type='PackSegInputs'),
+]
+test_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='Resize', scale=(128, 64), keep_ratio=True),
+    dict(type='LoadAnnotations', reduce_zero_label=True),
+    dict(type='PackSegInputs'),
+]
+train_dataloader = dict(batch_size=2, num_workers=0, persistent_workers=False,
+                        dataset=dict(data_root=data_root, pipeline=train_pipeline))
+val_dataloader = dict(batch_size=1, num_workers=0, persistent_workers=False,
+                      dataset=dict(data_root=data_root, pipeline=test_pipeline))
+test_dataloader = val_dataloader
+train_cfg = dict(max_iters=4, val_interval=4)
+default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=4))
+''', 'mIoU'),
+    # MMPretrain: ResNet-18 (CIFAR stem), on an image folder instead of CIFAR-10's files
+    'resnet_cifar': ('mmpretrain', "_base_ = 'mmpretrain::resnet/resnet18_8xb16_cifar10.py'"
+                     + THREE_LINES + '''
+data_root = '{root}'
+train_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='RandomCrop', crop_size=32, padding=4),
+    dict(type='RandomFlip', prob=0.5, direction='horizontal'),
+    dict(type='PackInputs'),
+]
+test_pipeline = [dict(type='LoadImageFromFile'), dict(type='PackInputs')]
+train_dataloader = dict(batch_size=4, num_workers=0, persistent_workers=False, dataset=dict(
+    _delete_=True, type='CustomDataset', data_root=data_root, pipeline=train_pipeline))
+val_dataloader = dict(batch_size=4, num_workers=0, persistent_workers=False, dataset=dict(
+    _delete_=True, type='CustomDataset', data_root=data_root, pipeline=test_pipeline))
+test_dataloader = val_dataloader
+train_cfg = dict(max_epochs=2, val_interval=2)
+default_hooks = dict(logger=dict(interval=1))
+''', 'accuracy/top1'),
+}
