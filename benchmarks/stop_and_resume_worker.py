@@ -45,7 +45,7 @@ def main() -> None:
     runner.register_hook(clock)
     runner.train()
     steps = [b - a for a, b in zip(clock.ends[2:], clock.ends[3:])]  # after warm-up
-    hook = next(h for h in runner.hooks if isinstance(h, PreemptionHook))
+    hook = next(h for h in runner.added_hooks if isinstance(h, PreemptionHook))
     dist.barrier()
     start = time.perf_counter()
     for _ in range(calls):

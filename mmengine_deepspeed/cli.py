@@ -196,13 +196,24 @@ def print_plan(args: argparse.Namespace) -> Any:
 
     import mmengine_deepspeed  # noqa: F401  registers DeepSpeed's optimizers and constructors
 
+    from .config.resolve import DsConfigError
     from .plan import make_plan
     from .plan.report import plan_text
+    from .zero.partitioned import construction_failure
 
     cfg = load_train_config(args.config, None, 'none', args.cfg_options, zero=args.zero,
                             ds_config=args.ds_config)
-    plan = make_plan(cfg, nproc=args.nproc, nnodes=args.nnodes,
-                     device_memory_gib=args.device_memory, host_memory_gib=args.host_memory)
+    try:
+        plan = make_plan(cfg, nproc=args.nproc, nnodes=args.nnodes,
+                         device_memory_gib=args.device_memory,
+                         host_memory_gib=args.host_memory)
+    except (DsConfigError, ValueError):
+        raise
+    except Exception as e:  # the model's own code failed: one line naming where, exit 2
+        raise ValueError(f'{args.config}: the model could not be sized, neither on the meta '
+                         f'device nor with one real step ({construction_failure(e)}). '
+                         'Train it for a few iterations and read peak_mem_mb in its log.'
+                         ) from e
     print(json.dumps(plan.as_json(), indent=2) if args.json else plan_text(plan))
     return plan
 

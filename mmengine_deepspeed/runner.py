@@ -27,7 +27,6 @@ from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.registry import RUNNERS
 from mmengine.runner import Runner
-from mmengine.runner.priority import Priority, get_priority
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -60,20 +59,14 @@ from .hooks.ema import DeepSpeedEMAHook
 from .hooks.preemption import PreemptionHook
 from .hooks.registration import (
     added_hooks,
+    added_hooks_info,
     deepspeed_custom_hooks,
     deepspeed_default_hooks,
     in_priority_order,
 )
 from .plan.planner import predicted_peak_mib, rss_mib
 from .quiet import quiet_deepspeed
-from .zero.partitioned import (
-    agreed_everywhere,
-    build_advice,
-    construction_failure,
-    gather_on_use,
-    partitioned_construction,
-    whole_construction_note,
-)
+from .zero.partitioned import build_advice, built_partitioned, gather_on_use
 
 
 def _from_cfg(cfg: Optional[Config], key: str, value: Any, default: Any) -> Any:
@@ -222,20 +215,13 @@ class DeepSpeedRunner(CheckpointMethods):
                 or specs.zero_stage != 3:
             return super().build_model(model)
         streams = rng_state()
-        try:
-            with partitioned_construction(specs.process_config('zero_optimization')):
-                built: Optional[nn.Module] = super().build_model(model)
-            failure = None
-        except Exception as error:  # model code zero.Init cannot build: whole, below
-            built, failure = None, construction_failure(error)
-        if not agreed_everywhere(failure is None):
-            set_rng_state(streams)  # the draws of the model built whole, as zero_init=False
-            built = super().build_model(model)
-            self.logger.warning(whole_construction_note(failure, built))
-            return built
-        self.logger.info('Built the model partitioned under ZeRO-3 (deepspeed.zero.Init); '
-                         'set zero_init=False to build it whole on every rank.')
-        return cast(nn.Module, built)
+
+        def whole() -> nn.Module:  # drawing what zero_init=False draws
+            set_rng_state(streams)
+            return Runner.build_model(self, model)
+
+        return built_partitioned(lambda: Runner.build_model(self, model), whole,
+                                 specs.process_config('zero_optimization'), self.logger)
 
     @override
     def wrap_model(self, model_wrapper_cfg: Optional[dict], model: nn.Module) -> nn.Module:
@@ -445,7 +431,4 @@ class DeepSpeedRunner(CheckpointMethods):
     @override
     def get_hooks_info(self) -> str:
         """MMEngine's listing of the registered hooks, then the runner's own."""
-        own = '\n'.join(f'({Priority(get_priority(h.priority)).name:<12}) '
-                         f'{type(h).__name__:<35}' for h in self.added_hooks)
-        return (f'{super().get_hooks_info()}\nRun beside them by DeepSpeedRunner, in '
-                f'priority order:\n{own}')
+        return f'{super().get_hooks_info()}\n{added_hooks_info(self.added_hooks)}'

@@ -20,7 +20,12 @@ from mmengine.model.weight_init import trunc_normal_
 from mmengine.registry import MODELS
 from torch import nn
 
-from tests.helpers import IN_FEATURES, NUM_CLASSES, ToyPreprocessor  # noqa: F401  registers
+from tests.helpers import (  # noqa: F401  ToyPreprocessor: registers it
+    IN_FEATURES,
+    NUM_CLASSES,
+    ToyPreprocessor,
+    _outputs,
+)
 
 
 class Block(BaseModule):
@@ -155,12 +160,7 @@ class TensorsInInitModel(BaseModel):
                  + self.prior.like.mean()).float() / 100.0
         x = self.stem(inputs) * scale + self.mean + self.encoding[-1]
         x = self.dropout(torch.relu(self.norm(x)))
-        logits = self.head(x) + self.offsets
-        if mode == 'loss':
-            return dict(loss=nn.functional.cross_entropy(logits.float(), labels))
-        if mode == 'predict':
-            return [dict(pred=p, label=t) for p, t in zip(logits.argmax(1), labels)]
-        return logits
+        return _outputs(self.head(x) + self.offsets, labels, mode)
 
 
 @MODELS.register_module()

@@ -130,7 +130,9 @@ class ThroughputHook(Hook):
                                 f'{runner.predicted_peak_mib(data_batch):.0f} MiB')
         except Exception as e:  # a prediction must never stop training
             reason = str(e).splitlines()[0] if str(e) else ''
-            self._prediction = f'no plan prediction ({type(e).__name__}: {reason})'
+            self._prediction = (f'no plan prediction on the meta device ({type(e).__name__}: '
+                                f'{reason}; `mmengine-deepspeed plan` measures this model with '
+                                'one real step, outside the training process)')
 
     @override
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from mmengine.hooks import CheckpointHook, EMAHook, Hook
 from mmengine.registry import HOOKS
-from mmengine.runner.priority import get_priority
+from mmengine.runner.priority import Priority, get_priority
 
 from ..checkpoint.loop import StreamsAfterValidationHook
 from .checkpoint import DeepSpeedCheckpointHook  # noqa: F401  registers it
@@ -83,3 +83,10 @@ def in_priority_order(registered: list[Hook], added: list[Hook]) -> list[Hook]:
     ids = {id(hook) for hook in registered}
     merged = registered + [hook for hook in added if id(hook) not in ids]
     return sorted(merged, key=lambda hook: get_priority(hook.priority))
+
+
+def added_hooks_info(hooks: list[Hook]) -> str:
+    """The runner's own hooks, for ``get_hooks_info()`` (as MMEngine lists its own)."""
+    return 'Run beside them by DeepSpeedRunner, in priority order:\n' + '\n'.join(
+        f'({Priority(get_priority(h.priority)).name:<12}) {type(h).__name__:<35}'
+        for h in hooks)

@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from ..compat import storage_key
 from ..engine.spec import SINGLE_ENGINE
+from .census import construction_note, on_meta
 
 
 @dataclass
@@ -162,8 +163,18 @@ def trace_activations(cfg: Config, model: nn.Module, batch: Any, micro_batch: in
     checkpointed = cfg.get('activation_checkpointing') or []
     checkpointed = [checkpointed] if isinstance(checkpointed, str) else list(checkpointed)
     float_size = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
-    preprocessor_cfg = cfg.model.get('data_preprocessor') or dict(type='BaseDataPreprocessor')
-    model.data_preprocessor = _OnMeta(MODELS.build(preprocessor_cfg))
+    if not on_meta(model):  # its construction needed values: built for real already
+        if not probe:
+            raise RuntimeError(construction_note(model) or 'the model is not on the meta device')
+        floats, others = _count(model, batch, checkpointed, engines)
+        return Activations(floats, others, float_size, micro_batch, 'probe',
+                           f'{construction_note(model)}; measured with one real training '
+                           'step')
+    preprocessor_cfg = cfg.model.get('data_preprocessor')
+    if preprocessor_cfg is not None:
+        model.data_preprocessor = _OnMeta(MODELS.build(preprocessor_cfg))
+    else:  # the one the model builds itself (mmdet's, mmpretrain's...), on the meta device
+        model.data_preprocessor.to('meta')
     try:
         floats, others = _count(model, batch, checkpointed, engines)
         return Activations(floats, others, float_size, micro_batch, 'traced')

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 from ..engine.build import owned_submodules
 from ..engine.spec import as_plain_wrappers, named_optimizers
+from ..zero.partitioned import construction_failure
 
 # fp32 values per trained element, for optimizers a one-element step cannot
 # count here (DeepSpeed's fused and CPU optimizers need their compiled ops).
@@ -68,15 +69,45 @@ class EngineCensus:
         return sum(n for n in self.numels if n <= threshold)
 
 
-def meta_model(cfg: Config) -> nn.Module:
-    """The config's model on the meta device (no weight allocated, no init run)."""
+def meta_model(cfg: Config, for_real: bool = True) -> nn.Module:
+    """The config's model on the meta device (no weight allocated, no init run).
+
+    Where its construction needs values (``torch.linspace(...).item()`` for
+    SegFormer's drop-path rates, say), the model is built for real on the CPU
+    instead, and :func:`construction_note` says so.
+
+    Args:
+        cfg (Config): The training config.
+        for_real (bool): Build it for real where the meta device fails; False
+            raises instead (inside training, where a second model would raise
+            the memory being predicted). Defaults to True.
+    """
     init_default_scope(cfg.get('default_scope') or 'mmengine')
     model_cfg = cfg.get('model')
     if not isinstance(model_cfg, dict):
         raise ValueError('plan needs the config\'s "model" as a dict (type=...), as '
                          'tools/train.py builds it.')
-    with torch.device('meta'):
-        return MODELS.build(model_cfg)
+    try:
+        with torch.device('meta'):
+            return MODELS.build(model_cfg)
+    except Exception as e:  # model code that reads values while it is built
+        if not for_real:
+            raise
+        model = MODELS.build(model_cfg)
+        model.plan_construction_note = (
+            f'building the model on the meta device failed ({construction_failure(e)}); it '
+            'was built for real in this process instead')
+        return model
+
+
+def construction_note(model: nn.Module) -> Optional[str]:
+    """Why :func:`meta_model` built ``model`` for real (None: it is on the meta device)."""
+    return getattr(model, 'plan_construction_note', None)
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether ``model`` was built on the meta device."""
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
 def optimizer_states(optimizer: Optimizer) -> tuple[int, Optional[str]]:

@@ -249,13 +249,13 @@ def predicted_peak_mib(cfg: Config, ds_configs: dict[str, dict], ranks: int, npr
         fixed_mib (float): The process's RSS before the model was built (0 on CUDA).
 
     Raises:
-        Exception: Whatever tracing on the meta device raises (no probe here: it would
-            build the model for real inside training).
+        Exception: Whatever building or tracing on the meta device raises (no probe here:
+            it would build the model for real inside training).
     """
     first = next(iter(ds_configs.values()))
     micro_batch = int(first['train_micro_batch_size_per_gpu'])
-    engines = census(cfg, meta_model(cfg))
-    activations = trace_activations(cfg, meta_model(cfg), batch, micro_batch,
+    engines = census(cfg, meta_model(cfg, for_real=False))
+    activations = trace_activations(cfg, meta_model(cfg, for_real=False), batch, micro_batch,
                                     [engine.name for engine in engines], probe=False)
     zero = first.get('zero_optimization') or {}
     offloaded = {part: (zero.get(f'offload_{part}') or {}).get('device', 'none') != 'none'

@@ -188,10 +188,10 @@ _NOT_MODEL_CODE = tuple(osp.dirname(module.__file__ or '') + osp.sep
 
 
 def construction_failure(error: BaseException) -> str:
-    """The model code's call where building under ``zero.Init`` failed, and the error.
+    """The model code's call an error came from, and the error (one line).
 
-    The innermost frame outside torch and DeepSpeed: the line of the model
-    (or library) that did what ``zero.Init`` cannot build.
+    The innermost frame outside torch and DeepSpeed: the line of the model (or
+    library) that did what ``zero.Init``, the meta device or ``plan`` could not.
     """
     frames = [f for f in traceback.extract_tb(error.__traceback__)
               if not f.filename.startswith(_NOT_MODEL_CODE)]
@@ -205,6 +205,37 @@ def agreed_everywhere(ok: bool) -> bool:
     flag = torch.tensor([0 if ok else 1])
     mmengine_dist.all_reduce(flag)  # on the backend's device (nccl: CUDA)
     return int(flag.item()) == 0
+
+
+def built_partitioned(build: Callable[[], nn.Module], build_whole: Callable[[], nn.Module],
+                      zero_config: dict, logger: Any) -> nn.Module:
+    """``build()`` inside ``zero.Init``; where model code cannot run there, ``build_whole()``.
+
+    Every rank agrees (one all-reduce, at construction only), so the ranks build
+    the same way; the fallback logs the call that failed and the memory it costs.
+
+    Args:
+        build (Callable): Builds the model (MMEngine's ``build_model``).
+        build_whole (Callable): Builds it again outside ``zero.Init``, drawing
+            what a model built whole from the start draws.
+        zero_config (dict): The resolved ds_config's ``zero_optimization``
+            context (:func:`partitioned_construction`).
+        logger (Any): The runner's logger.
+    """
+    built: Optional[nn.Module] = None
+    failure: Optional[str] = None
+    try:
+        with partitioned_construction(zero_config):
+            built = build()
+    except Exception as error:  # model code zero.Init cannot build: whole, below
+        failure = construction_failure(error)
+    if agreed_everywhere(built is not None) and built is not None:
+        logger.info('Built the model partitioned under ZeRO-3 (deepspeed.zero.Init); '
+                    'set zero_init=False to build it whole on every rank.')
+        return built
+    whole = build_whole()
+    logger.warning(whole_construction_note(failure, whole))
+    return whole
 
 
 def whole_construction_note(failure: Optional[str], model: nn.Module) -> str:

@@ -72,7 +72,8 @@ def test_emulated_bf16_is_named_with_its_cost_and_the_fix(monkeypatch: Any) -> N
 @pytest.mark.parametrize('prediction, said', [
     (612.4, '`mmengine-deepspeed plan` predicts 612 MiB for this configuration'),
     (RuntimeError('Cannot copy out of meta tensor'),
-     'no plan prediction (RuntimeError: Cannot copy out of meta tensor)'),
+     'no plan prediction on the meta device (RuntimeError: Cannot copy out of meta tensor; '
+     '`mmengine-deepspeed plan` measures this model with one real step'),
 ])
 def test_the_plan_prediction_is_said_once_next_to_the_first_peak(prediction: Any,
                                                                   said: str) -> None:

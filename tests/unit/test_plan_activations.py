@@ -5,13 +5,15 @@ from typing import Any, Optional
 
 import torch
 from mmengine.config import Config
+from mmengine.model import BaseDataPreprocessor
 from mmengine.registry import MODELS
 
 import mmengine_deepspeed.demo  # noqa: F401  registers TinyGPT, StdlibText
 import tests.toy_gan  # noqa: F401  registers ToyGAN
+from mmengine_deepspeed.plan import make_plan
 from mmengine_deepspeed.plan.activations import _count, one_batch, trace_activations
-from mmengine_deepspeed.plan.census import census, meta_model
-from tests.helpers import ToyModel
+from mmengine_deepspeed.plan.census import census, construction_note, meta_model
+from tests.helpers import ToyModel, toy_config
 from tests.toy_gan import gan_config
 
 
@@ -96,3 +98,65 @@ def test_tracing_draws_no_random_numbers_from_the_run_stream() -> None:
     acts = trace_activations(cfg, meta_model(cfg), batch, 4, ['model'], probe=False)
     assert acts.method == 'traced'
     assert torch.equal(torch.rand(3), expected)
+
+
+@MODELS.register_module()
+class PlanSamplesPreprocessor(BaseDataPreprocessor):
+    """What OpenMMLab preprocessors hand on: inputs and data samples."""
+
+    def forward(self, data: dict, training: bool = False) -> dict:
+        data = self.cast_data(data)
+        return dict(inputs=data['inputs'], data_samples=data['labels'])
+
+
+@MODELS.register_module()
+class PlanOwnPreprocessorModel(ToyModel):
+    """Builds its own data_preprocessor in __init__ when the config gives none (as
+    MMDetection's and MMPretrain's models do), whose output the forward needs."""
+
+    def __init__(self, data_preprocessor: Optional[dict] = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.data_preprocessor = MODELS.build(
+            data_preprocessor or dict(type='PlanSamplesPreprocessor'))
+
+    def forward(self, inputs: torch.Tensor, data_samples: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        return super().forward(inputs, data_samples, mode)
+
+
+@MODELS.register_module()
+class PlanValuesInInitModel(ToyModel):
+    """Reads values while it is built (SegFormer's drop-path rates), which the meta
+    device cannot give."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.rates = [x.item() for x in torch.linspace(0, 0.1, 3)]
+
+
+def _toy(model: dict) -> Config:
+    return Config(toy_config('unused', model=model))
+
+
+def test_the_models_own_preprocessor_is_traced_on_the_meta_device() -> None:
+    """Not BaseDataPreprocessor: the forward gets its data_samples, and is traced."""
+    cfg = _toy(dict(type='PlanOwnPreprocessorModel', with_bn=False))
+    acts = trace_activations(cfg, meta_model(cfg), one_batch(cfg), 4, ['model'], probe=False)
+    real = MODELS.build(cfg.model)
+    floats, _ = _count(real, one_batch(cfg), [], ['model'])
+    assert acts.method == 'traced' and acts.float_bytes == floats > 0
+
+
+def test_a_model_that_reads_values_while_built_is_measured_for_real() -> None:
+    cfg = _toy(dict(type='PlanValuesInInitModel', with_bn=False))
+    model = meta_model(cfg)
+    assert not any(p.is_meta for p in model.parameters())
+    assert 'building the model on the meta device failed' in construction_note(model)
+    assert 'x.item()' in construction_note(model)
+    assert sum(e.params for e in census(cfg, model)) == sum(
+        p.numel() for p in model.parameters())
+    acts = trace_activations(cfg, model, one_batch(cfg), 4, ['model'])
+    assert acts.method == 'probe' and acts.float_bytes > 0
+    assert 'measured with one real training step' in acts.note
+    plan = make_plan(cfg, nproc=1, nnodes=1)
+    assert any('built for real' in note for note in plan.notes)

@@ -4,14 +4,17 @@ from __future__ import annotations
 import glob
 import json
 import os.path as osp
+from typing import Any
 
 import pytest
+from mmengine.registry import MODELS
 
 import mmengine_deepspeed.demo  # noqa: F401  registers TinyGPT
 from mmengine_deepspeed.cli import main
 from mmengine_deepspeed.plan.activations import Activations
 from mmengine_deepspeed.plan.census import EngineCensus
 from mmengine_deepspeed.plan.memory import Layout, engine_bytes
+from tests.helpers import ToyModel
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 ROW_KEYS = {'stage', 'offload_optimizer', 'offload_param', 'micro_batch', 'peak_mib', 'host_mib',
@@ -90,6 +93,27 @@ def test_bad_input_is_one_line_naming_it(capsys: pytest.CaptureFixture) -> None:
     assert 'no/such/config.py' in capsys.readouterr().err
     assert main(['plan', TOY, '--nproc', '0']) == 2
     assert '--nproc 0' in capsys.readouterr().err
+
+
+@MODELS.register_module()
+class PlanBrokenModel(ToyModel):
+    """A model whose own code fails whatever the device."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        raise RuntimeError('the checkpoint of the teacher is missing')
+
+
+def test_a_model_that_cannot_be_built_is_one_line_naming_the_call(
+        tmp_path: Any, capsys: pytest.CaptureFixture) -> None:
+    config = osp.join(str(tmp_path), 'broken.py')
+    with open(config, 'w') as f:
+        f.write(f"_base_ = {TOY!r}\nds_config = {osp.join(osp.dirname(TOY), 'toy_ds.json')!r}\n"
+                "model = dict(_delete_=True, type='PlanBrokenModel')\n")
+    assert main(['plan', config]) == 2
+    err = capsys.readouterr().err
+    assert 'Traceback' not in err and len(err.strip().splitlines()) == 1
+    assert 'test_plan_planner.py:' in err and 'the checkpoint of the teacher is missing' in err
 
 
 def _engine(params: int = 10_000_000) -> EngineCensus:
