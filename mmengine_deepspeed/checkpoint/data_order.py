@@ -185,7 +185,7 @@ class SeedingWorkerInit(functools.partial):
 
     @override
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        result = super().__call__(*args, **kwargs) if self.func is not _no_init else None
+        result = super().__call__(*args, **kwargs)
         info = get_worker_info()
         if info is not None:
             seed_samples_in_worker(info.dataset)

@@ -287,8 +287,8 @@ def left_unwrapped(model: nn.Module, model_wrapper_cfg: Optional[dict], world_si
         logger (Any): The runner's logger.
 
     Returns:
-        tuple: The model (SyncBN reverted for a single process, converted
-        where ``sync_bn`` asks), and ``find_unused_parameters``.
+        tuple: The model (SyncBN reverted for a single process and on the CPU,
+        converted where ``sync_bn`` asks on CUDA), and ``find_unused_parameters``.
     """
     if is_model_wrapper(model):
         raise TypeError(
@@ -303,6 +303,12 @@ def left_unwrapped(model: nn.Module, model_wrapper_cfg: Optional[dict], world_si
             'the model in a DeepSpeed engine, configured by ds_config (only '
             'find_unused_parameters is honoured).')
     if world_size == 1:
+        return revert_sync_batchnorm(model), find_unused
+    if not cuda_available():  # torch's SyncBatchNorm refuses CPU tensors
+        if sync_bn is not None or any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
+            logger.warning('SyncBatchNorm needs CUDA: on this CPU run its layers are BatchNorm '
+                           '(each rank normalises with its own batch statistics, as with '
+                           'sync_bn unset).')
         return revert_sync_batchnorm(model), find_unused
     return (convert_sync_batchnorm(model, sync_bn) if sync_bn is not None else model,
             find_unused)

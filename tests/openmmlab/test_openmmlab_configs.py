@@ -1,6 +1,6 @@
 """Real OpenMMLab configs train through their own ``tools/train.py`` with the three lines.
 
-MMDetection (RetinaNet, Faster R-CNN), MMSegmentation (SegFormer) and MMPretrain
+MMDetection (RetinaNet; Faster R-CNN at ZeRO-2), MMSegmentation (SegFormer) and MMPretrain
 (ResNet) configs, each the library's own config plus the three lines and small generated
 data (``configs.py``), on 2 CPU ranks at ZeRO-2 and ZeRO-3: the library's unchanged
 ``tools/train.py`` under torchrun trains, validates with the library's metric and
@@ -11,14 +11,16 @@ and drop-path rates included. The tier needs mmcv with its ops (``.venv-openmmla
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os.path as osp
 import re
+import sys
 from typing import Any, Callable
 
 import pytest
 
-from tests.helpers import run_torchrun
+from tests.helpers import run_command, run_torchrun
 from tests.openmmlab import data
 from tests.openmmlab.configs import CONFIGS
 
@@ -54,8 +56,14 @@ def train(tmp_path: Any, roots: dict[str, str], name: str, stage: int) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize('stage', [2, 3])
-@pytest.mark.parametrize('name', sorted(CONFIGS))
+# Faster R-CNN runs at ZeRO-2 only: on a rank without positive RoIs MMDetection's bbox head
+# skips its loss module, and DeepSpeed's ZeRO-3 then stops on its check that every rank ran
+# the same submodules ("Detected a disagreement on list length"; README, Known limits).
+CASES = [(name, stage) for name in sorted(CONFIGS) for stage in (2, 3)
+         if (name, stage) != ('faster_rcnn', 3)]
+
+
+@pytest.mark.parametrize('name, stage', CASES)
 def test_config_trains_with_the_three_lines(tmp_path: Any, roots: dict[str, str], name: str,
                                             stage: int) -> None:
     log = train(tmp_path, roots, name, stage)
@@ -67,3 +75,21 @@ def test_config_trains_with_the_three_lines(tmp_path: Any, roots: dict[str, str]
     assert losses and all(math.isfinite(loss) for loss in losses), losses
     metric = CONFIGS[name][2]
     assert re.search(rf'{re.escape(metric)}: [\d.]+', log), log[-4000:]
+
+
+@pytest.mark.parametrize('name', sorted(CONFIGS))
+def test_plan_sizes_the_config(tmp_path: Any, roots: dict[str, str], name: str) -> None:
+    """`mmengine-deepspeed plan` on the same config: every row, on the meta device or, for
+    a model whose construction or forward reads values, with one real step (said in the
+    notes); never a traceback."""
+    library, text, _ = CONFIGS[name]
+    config = osp.join(str(tmp_path), f'{name}.py')
+    with open(config, 'w') as f:
+        f.write(text.replace('{root}', roots[library]))
+    proc = run_command([sys.executable, '-m', 'mmengine_deepspeed', 'plan', config,
+                        '--nproc', '2', '--json'], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    plan = json.loads(proc.stdout[proc.stdout.index('{'):])
+    assert len(plan['rows']) == 8 and all(row['peak_mib'] > 0 for row in plan['rows'])
+    if plan['activations']['method'] == 'probe':
+        assert any('real' in note for note in plan['notes']), plan['notes']

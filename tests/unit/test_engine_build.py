@@ -8,7 +8,7 @@ from mmengine.registry import OPTIM_WRAPPER_CONSTRUCTORS
 from torch import nn
 
 import mmengine_deepspeed  # noqa: F401  registers the constructor
-from mmengine_deepspeed.engine.build import owned_submodules
+from mmengine_deepspeed.engine.build import left_unwrapped, owned_submodules
 from mmengine_deepspeed.engine.spec import named_optimizers
 from tests.toy_gan import ADAM, ToyGAN, gan_wrappers
 
@@ -98,3 +98,21 @@ def test_constructor_names_a_missing_submodule() -> None:
     with pytest.raises(ValueError, match=r"no submodule 'gen' \(its children: "
                                          r"data_preprocessor, generator"):
         constructor(ToyGAN())
+
+
+def test_sync_batchnorm_on_the_cpu_becomes_batchnorm_with_a_warning() -> None:
+    """MMSegmentation's configs use SyncBN; torch's SyncBatchNorm refuses CPU tensors, so
+    a multi-rank CPU run gets BatchNorm (each rank's statistics) and is told so."""
+    warnings: list[str] = []
+    logger = type('Logger', (), {'warning': staticmethod(warnings.append)})()
+    model = nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4))
+    model[1].weight.data.fill_(0.5)
+    built, find_unused = left_unwrapped(model, None, world_size=2, sync_bn=None, logger=logger)
+    norm = built[1]
+    assert not isinstance(norm, nn.SyncBatchNorm)
+    assert isinstance(norm, nn.modules.batchnorm._BatchNorm)
+    assert torch.equal(norm.weight, torch.full((4,), 0.5)) and not find_unused
+    assert len(warnings) == 1 and 'SyncBatchNorm needs CUDA' in warnings[0]
+    plain = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    left_unwrapped(plain, None, world_size=2, sync_bn=None, logger=logger)
+    assert len(warnings) == 1  # nothing to say for a model without it
