@@ -222,6 +222,19 @@ def module_hook_dicts(module: nn.Module) -> tuple[dict, ...]:
             module._backward_hooks)
 
 
+def zero3_module_hooks(engine: Any) -> list:
+    """The handles of the hooks a ZeRO-3 engine put on every submodule (forward and
+    backward; ``DeepSpeedZeRoOffload.forward_hooks`` / ``backward_hooks``, no public
+    accessor), or [] below ZeRO-3 (tests/dist/test_patterns.py, parameterless modules)."""
+    offload = getattr(engine.optimizer, 'parameter_offload', engine.optimizer)
+    return [*getattr(offload, 'forward_hooks', []), *getattr(offload, 'backward_hooks', [])]
+
+
+def hook_dict_of(handle: Any) -> Optional[dict]:
+    """The hook dict a torch ``RemovableHandle`` removes from (None once it is gone)."""
+    return cast(Optional[dict], handle.hooks_dict_ref())
+
+
 def storage_key(tensor: torch.Tensor) -> int:
     """One number per storage, alike for every view of it, also on the meta device (where
     data_ptr() is 0 for all): the StorageImpl's address. torch has no public identity for a

@@ -292,6 +292,33 @@ class ToyBranchModel(ToyModel):
         return _outputs(logits, labels, mode)
 
 
+@MODELS.register_module()
+class ToyLossModuleModel(ToyModel):
+    """A loss term computed by a module without parameters, only on batches that hold the
+    label 1: as MMDetection's bbox heads skip their loss module on a rank whose batch has
+    no positive sample, so ranks run different submodules in one iteration."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.aux_loss = nn.SmoothL1Loss()
+        self.head_used: list[bool] = []
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        logits = super().forward(inputs)
+        if mode != 'loss':
+            return _outputs(logits, labels, mode)
+        losses = dict(loss=nn.functional.cross_entropy(logits.float(), labels))
+        positive = labels == 1
+        self.head_used.append(bool(positive.any()))
+        if self.head_used[-1]:
+            losses['loss_aux'] = self.aux_loss(logits[positive, 1], torch.ones_like(
+                logits[positive, 1]))
+        else:
+            losses['loss_aux'] = logits.sum() * 0
+        return losses
+
+
 @METRICS.register_module()
 class ToyAccuracy(BaseMetric):
     """Accuracy over the whole validation set (gathered across ranks)."""

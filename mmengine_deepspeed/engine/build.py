@@ -34,7 +34,7 @@ from ..config.model_settings import fit_to_model
 from ..config.resolve import zero_stage
 from ..dist import cuda_available
 from ..hooks.monitor import banner, precision_note
-from ..zero.unused_params import zero3_unsupported
+from ..zero.unused_params import untrace_parameterless_modules, zero3_unsupported
 from ..zero.zero_dim import engine_config, initializable
 from .offload import cpu_optimizer
 from .optim_wrapper import DeepSpeedOptimWrapper
@@ -156,6 +156,7 @@ def build_engine(module: nn.Module, optimizer: Optional[Optimizer],
     with initializable(module, zero3=zero_stage(ds_config) == 3):
         engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer,
                                           config=engine_config(ds_config, module))
+    untrace_parameterless_modules(engine)
     return engine
 
 

@@ -18,6 +18,13 @@ following here:
   over all ranks with zeros from those that skipped (ZeRO 0-2; see
   :func:`zero3_unsupported`).
 
+Under ZeRO-3 DeepSpeed also records the order in which submodules run and stops
+when the ranks' orders differ ("Detected a disagreement on list length"). A
+submodule without parameters (a loss module MMDetection's heads skip on a rank
+without positive samples, an activation) has nothing to gather or release, so
+:func:`untrace_parameterless_modules` takes DeepSpeed's hooks off them: only
+modules with parameters, which ZeRO-3 gathers collectively, must run alike.
+
 Without the switch, on more than one rank, every backward compares the
 trainable parameters the loss reaches (a walk of the autograd graph) with
 the set all ranks agreed on in the first iteration (one small all-reduce,
@@ -33,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
+
+from ..compat import hook_dict_of, module_hook_dicts, zero3_module_hooks
 
 SWITCH = ("model_wrapper_cfg=dict(type='MMDistributedDataParallel', "
           'find_unused_parameters=True)')
@@ -198,3 +207,29 @@ def zero3_unsupported(stage: int) -> Optional[str]:
             'leaves the others out of the gather of its parameters); every rank must use the '
             'same parameters in each iteration, which is checked. For models that skip '
             'parameters, use zero_optimization.stage=2 (with offload_optimizer for memory).')
+
+
+def untrace_parameterless_modules(engine: Any) -> int:
+    """Take a ZeRO-3 engine's hooks off its submodules without parameters.
+
+    DeepSpeed hooks every submodule to gather, release and prefetch its
+    parameters, and records their order, which must be the same on every
+    rank; a module without parameters (its own or its children's) needs none
+    of it. Data-dependent calls of such modules (loss modules skipped on a rank
+    without positive samples) then no longer differ between ranks' records.
+
+    Args:
+        engine (DeepSpeedEngine): The engine, just built.
+
+    Returns:
+        int: How many hooks were removed (0 below ZeRO-3).
+    """
+    dicts = {id(d) for module in engine.module.modules()
+             if module is not engine.module and next(module.parameters(), None) is None
+             for d in module_hook_dicts(module)}
+    removed = 0
+    for handle in zero3_module_hooks(engine):
+        if id(hook_dict_of(handle)) in dicts:
+            handle.remove()
+            removed += 1
+    return removed

@@ -34,6 +34,8 @@ def zero(stage: int, **extra: Any) -> dict:
 
 
 BRANCH = dict(model={'type': 'ToyBranchModel', 'with_bn': False}, optimizer=SGD, val=False)
+LOSS_MODULE = dict(model={'type': 'ToyLossModuleModel', 'with_bn': False}, optimizer=SGD,
+                   val=False)
 SCALAR = dict(model={'type': 'ToyScalarModel', 'with_bn': False}, optimizer=ADAMW, val=False,
               clip_grad={'max_norm': 0.5})
 # by-epoch cosine whose end MMEngine defaults from max_epochs
@@ -58,6 +60,8 @@ SCENARIOS: list[dict[str, Any]] = [
     {'name': 'unused_z3', 'cfg': dict(ds_config=zero(3), val=False, with_bn=False,
                                       model_wrapper_cfg=FIND_UNUSED)},
     {'name': 'scalar_z2_bf16', 'cfg': dict(SCALAR, ds_config=zero(2, bf16={'enabled': True}))},
+    {'name': 'loss_module_plain', 'mode': 'plain', 'cfg': LOSS_MODULE},
+    {'name': 'loss_module_z3', 'cfg': dict(LOSS_MODULE, ds_config=zero(3))},
 ]
 RESUMED = [
     {'name': 'sched_longer', 'cfg': dict(SCHED, max_epochs=4, resume=True,
@@ -240,3 +244,15 @@ def test_deepspeed_behaviours_zero_dim_parameters_rely_on(tmp_path: Any) -> None
         assert f'MARKED_STAGE{stage} ()' in proc.stdout, proc.stdout[-3000:]
     assert 'CLIP_STAGE0 shape_error' in proc.stdout
     assert 'ZERO3_SHAPE ()' in proc.stdout
+
+
+def test_a_loss_module_only_some_ranks_run_trains_at_zero3(out: str) -> None:
+    """DeepSpeed's ZeRO-3 stops when the ranks ran different submodules ("Detected a
+    disagreement on list length"); a module without parameters (MMDetection's bbox loss,
+    skipped on a rank without positive samples) has nothing to gather, so its hooks are off
+    and the run gives MMEngine + DDP's parameters."""
+    used = [result(out, 'loss_module_z3', rank)['head_used'] for rank in range(WORLD)]
+    assert used[0] != used[1]  # in some iteration one rank ran the loss module, the other not
+    for rank in range(WORLD):
+        assert_close(result(out, 'loss_module_z3', rank)['state'],
+                     result(out, 'loss_module_plain', rank)['state'])
