@@ -213,6 +213,7 @@ class ResumableIterBasedTrainLoop(IterBasedTrainLoop):
         self._ours: Optional[EpochIterator] = None
         super().__init__(runner, dataloader, *args, **kwargs)
 
+    # MMEngine's is a plain attribute; mypy takes no @override on a property over one
     @property  # type: ignore[override,explicit-override]
     def dataloader_iterator(self) -> EpochIterator:
         """The loop's :class:`EpochIterator` (an ``_InfiniteDataloaderIterator``)."""
