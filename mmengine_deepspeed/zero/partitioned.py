@@ -218,9 +218,12 @@ def built_partitioned(build: Callable[[], nn.Module], build_whole: Callable[[], 
         build (Callable): Builds the model (MMEngine's ``build_model``).
         build_whole (Callable): Builds it again outside ``zero.Init``, drawing
             what a model built whole from the start draws.
-        zero_config (dict): The resolved ds_config's ``zero_optimization``
-            context (:func:`partitioned_construction`).
+        zero_config (dict): The resolved ds_config the block is built with
+            (:func:`partitioned_construction`).
         logger (Any): The runner's logger.
+
+    Returns:
+        nn.Module: The model, partitioned, or whole where zero.Init failed on any rank.
     """
     built: Optional[nn.Module] = None
     failure: Optional[str] = None
