@@ -21,7 +21,6 @@ from typing import Any, Optional, Union, cast
 
 import deepspeed
 from mmengine.config import Config
-from mmengine.hooks import Hook
 from mmengine.logging import MessageHub, MMLogger
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper, OptimWrapperDict
@@ -38,7 +37,6 @@ from .checkpoint.loop import resumable_loop
 from .checkpoint.plan import ResumeKind
 from .checkpoint.runner_methods import CheckpointMethods
 from .checkpoint.state import rng_state, set_rng_state
-from .compat import hooks_in_call
 from .config.resolve import DsConfigSource
 from .dist import cuda_available, init_distributed
 from .engine.activation import checkpoint_through_deepspeed, has_section
@@ -57,13 +55,7 @@ from .engine.wrapper import overrides
 from .failure import failing_together
 from .hooks.ema import DeepSpeedEMAHook
 from .hooks.preemption import PreemptionHook
-from .hooks.registration import (
-    added_hooks,
-    added_hooks_info,
-    deepspeed_custom_hooks,
-    deepspeed_default_hooks,
-    in_priority_order,
-)
+from .hooks.runner_methods import HookMethods
 from .plan.planner import predicted_peak_mib, rss_mib
 from .quiet import quiet_deepspeed
 from .zero.partitioned import build_advice, built_partitioned, gather_on_use
@@ -77,7 +69,7 @@ def _from_cfg(cfg: Optional[Config], key: str, value: Any, default: Any) -> Any:
 
 
 @RUNNERS.register_module()
-class DeepSpeedRunner(CheckpointMethods):
+class DeepSpeedRunner(CheckpointMethods, HookMethods):
     """A :class:`mmengine.runner.Runner` that trains through DeepSpeed.
 
     Takes every ``Runner`` argument plus ``ds_config``. With
@@ -104,7 +96,6 @@ class DeepSpeedRunner(CheckpointMethods):
     """
 
     _find_unused_parameters: bool
-    added_hooks: list[Hook]  # the runner's own, run beside runner.hooks (hooks/registration.py)
 
     def __init__(self, *args: Any, ds_config: DsConfigSource = None,
                  allow_unsafe_checkpoints: Optional[bool] = None,
@@ -405,30 +396,3 @@ class DeepSpeedRunner(CheckpointMethods):
         with failing_together():
             self._ensure_engine()
             return super().test()
-
-    @override
-    def register_default_hooks(self, hooks: Optional[dict] = None) -> None:
-        """MMEngine's default hooks, with the crash-safe checkpoint hook
-        (``hooks/registration.py``)."""
-        super().register_default_hooks(deepspeed_default_hooks(hooks))
-
-    @override
-    def register_hooks(self, default_hooks: Optional[dict] = None,
-                       custom_hooks: Optional[list] = None) -> None:
-        """MMEngine's hooks, with ``EMAHook`` made DeepSpeed-aware; the runner's own hooks
-        (throughput, preemption, streams after validation) beside them, in
-        :attr:`added_hooks` (``hooks/registration.py``)."""
-        self.added_hooks = added_hooks(default_hooks, custom_hooks)
-        super().register_hooks(default_hooks, deepspeed_custom_hooks(custom_hooks))
-
-    @override
-    def call_hook(self, fn_name: str, **kwargs: Any) -> None:
-        """MMEngine's ``call_hook`` over the registered hooks and :attr:`added_hooks`,
-        in priority order (at equal priority the registered ones first)."""
-        with hooks_in_call(self, in_priority_order(self.hooks, self.added_hooks)):
-            super().call_hook(fn_name, **kwargs)
-
-    @override
-    def get_hooks_info(self) -> str:
-        """MMEngine's listing of the registered hooks, then the runner's own."""
-        return f'{super().get_hooks_info()}\n{added_hooks_info(self.added_hooks)}'

@@ -1,0 +1,56 @@
+"""Runner's hook registration and calling, with the runner's own hooks beside MMEngine's.
+
+``runner.hooks`` holds what MMEngine's Runner registers (CheckpointHook and EMAHook as
+their DeepSpeed-aware subclasses); the runner's own hooks (``registration.added_hooks``)
+are kept in :attr:`HookMethods.added_hooks` and called with them in priority order.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from mmengine.hooks import Hook
+from mmengine.runner import Runner
+from typing_extensions import override
+
+from ..compat import hooks_in_call
+from .registration import (
+    added_hooks,
+    added_hooks_info,
+    deepspeed_custom_hooks,
+    deepspeed_default_hooks,
+    in_priority_order,
+)
+
+
+class HookMethods(Runner):
+    """Runner's ``register_default_hooks`` / ``register_hooks`` / ``call_hook`` /
+    ``get_hooks_info`` for DeepSpeedRunner (``hooks/registration.py``)."""
+
+    added_hooks: list[Hook]  # the runner's own, run beside runner.hooks
+
+    @override
+    def register_default_hooks(self, hooks: Optional[dict] = None) -> None:
+        """MMEngine's default hooks, with the crash-safe checkpoint hook
+        (``hooks/registration.py``)."""
+        super().register_default_hooks(deepspeed_default_hooks(hooks))
+
+    @override
+    def register_hooks(self, default_hooks: Optional[dict] = None,
+                       custom_hooks: Optional[list] = None) -> None:
+        """MMEngine's hooks, with ``EMAHook`` made DeepSpeed-aware; the runner's own hooks
+        (throughput, preemption, streams after validation) beside them, in
+        :attr:`added_hooks` (``hooks/registration.py``)."""
+        self.added_hooks = added_hooks(default_hooks, custom_hooks)
+        super().register_hooks(default_hooks, deepspeed_custom_hooks(custom_hooks))
+
+    @override
+    def call_hook(self, fn_name: str, **kwargs: Any) -> None:
+        """MMEngine's ``call_hook`` over the registered hooks and :attr:`added_hooks`,
+        in priority order (at equal priority the registered ones first)."""
+        with hooks_in_call(self, in_priority_order(self.hooks, self.added_hooks)):
+            super().call_hook(fn_name, **kwargs)
+
+    @override
+    def get_hooks_info(self) -> str:
+        """MMEngine's listing of the registered hooks, then the runner's own."""
+        return f'{super().get_hooks_info()}\n{added_hooks_info(self.added_hooks)}'
