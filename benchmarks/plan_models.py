@@ -3,7 +3,11 @@
 Three families, two sizes each (the larger over 50M parameters): the demo GPT
 (``TinyGPT``), a CNN with BatchNorm (``examples.synthetic_classifier.SmallConvNet``),
 and a transformer encoder whose embedding and first half of layers are frozen
-(``FrozenEncoder``, below; torch's own encoder layers, with dropout).
+(``FrozenEncoder``, below; torch's own encoder layers, with dropout). The CPU
+heap coefficients of ``mmengine_deepspeed/plan/memory.py`` were fitted to these
+(:data:`FITTED`); :data:`HELD_OUT` are shapes that took no part in the fit (wider,
+deeper, layers over glibc's 32 MiB mmap threshold, a mid-sized CNN), to report the
+planner's error out of sample.
 """
 from __future__ import annotations
 
@@ -68,6 +72,12 @@ FAMILIES: dict[str, dict[str, tuple[dict, dict]]] = {
                   _text_loader(16, 64)),
         'large': (dict(type='TinyGPT', block_size=64, width=512, depth=16, heads=8),
                   _text_loader(8, 64)),
+        '1024x12': (dict(type='TinyGPT', block_size=64, width=1024, depth=12, heads=16),
+                    _text_loader(8, 64)),
+        '2048x4': (dict(type='TinyGPT', block_size=64, width=2048, depth=4, heads=16),
+                   _text_loader(4, 64)),
+        '768x10': (dict(type='TinyGPT', block_size=128, width=768, depth=10, heads=12),
+                   _text_loader(6, 128)),
     },
     'cnn': {
         'small': (dict(type='SmallConvNet', width=32),
@@ -78,14 +88,32 @@ FAMILIES: dict[str, dict[str, tuple[dict, dict]]] = {
                   dict(batch_size=16, num_workers=0, dataset=dict(type='SyntheticImages'),
                        sampler=dict(type='InfiniteSampler', shuffle=True),
                        collate_fn=dict(type='default_collate'))),
+        '256': (dict(type='SmallConvNet', width=256),
+                dict(batch_size=32, num_workers=0, dataset=dict(type='SyntheticImages'),
+                     sampler=dict(type='InfiniteSampler', shuffle=True),
+                     collate_fn=dict(type='default_collate'))),
+        '128': (dict(type='SmallConvNet', width=128),
+                dict(batch_size=64, num_workers=0, dataset=dict(type='SyntheticImages'),
+                     sampler=dict(type='InfiniteSampler', shuffle=True),
+                     collate_fn=dict(type='default_collate'))),
     },
     'frozen': {
         'small': (dict(type='FrozenEncoder', width=128, depth=4, heads=4, block_size=64),
                   _text_loader(16, 64)),
         'large': (dict(type='FrozenEncoder', width=768, depth=8, heads=12, block_size=64),
                   _text_loader(8, 64)),
+        '384x24': (dict(type='FrozenEncoder', width=384, depth=24, heads=6, block_size=64),
+                   _text_loader(16, 64)),
+        '1024x4': (dict(type='FrozenEncoder', width=1024, depth=4, heads=16, block_size=64),
+                   _text_loader(12, 64)),
     },
 }
+
+
+# (family, size): what the CPU heap's coefficients are fitted to, and what they never saw
+FITTED = [*((family, size) for size in ('small', 'large') for family in ('gpt', 'cnn', 'frozen')),
+          ('gpt', '1024x12'), ('gpt', '2048x4'), ('frozen', '384x24'), ('cnn', '256')]
+HELD_OUT = [('gpt', '768x10'), ('frozen', '1024x4'), ('cnn', '128')]
 
 
 def config_text(family: str, size: str, stage: int, precision: str, iters: int = 10) -> str:

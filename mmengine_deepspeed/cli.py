@@ -197,7 +197,7 @@ def print_plan(args: argparse.Namespace) -> Any:
     import mmengine_deepspeed  # noqa: F401  registers DeepSpeed's optimizers and constructors
 
     from .config.resolve import DsConfigError
-    from .plan import make_plan
+    from .plan.planner import make_plan
     from .plan.report import plan_text
     from .zero.partitioned import construction_failure
 

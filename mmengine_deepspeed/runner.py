@@ -143,22 +143,23 @@ class DeepSpeedRunner(CheckpointMethods, HookMethods):
         """The user's model, wrapped or not."""
         return cast(nn.Module, self.model.module) if is_model_wrapper(self.model) else self.model
 
-    def predicted_peak_mib(self, data_batch: Any) -> float:
+    def predicted_peak_mib(self, data_batch: Any,
+                           saved: Optional[tuple[int, int]] = None) -> float:
         """What ``mmengine-deepspeed plan`` predicts per rank for this run's engines.
 
-        Traced on a meta-device copy of the config's model with the loop's own
-        batch (no second dataset, which would itself raise the memory being
-        predicted; a copy of it, which a data_preprocessor may change). Meta-device
-        ops draw no random numbers, so the run's random stream is untouched. For the
-        banner; raises where the model is not a config or cannot be traced on the meta
-        device.
+        Traced on a meta-device copy of the config's model with a copy of the loop's
+        batch (no second dataset, which would raise the memory being predicted; meta
+        ops draw no random numbers); ``saved``: what the run's first step saved for
+        backward, measured, for a model the meta device cannot run. Raises where the
+        model is not a config, or without ``saved`` where tracing fails.
         """
         if not isinstance(self.cfg.get('model'), dict):
             raise ValueError('the model was given as an instance, not a config')
         cfg = Config(dict(self.cfg.to_dict(), **self._taken))  # keys train() holds meanwhile
         return predicted_peak_mib(cfg, self.engine_specs.configs(), self.world_size,
                                   int(os.environ.get('LOCAL_WORLD_SIZE', self.world_size)),
-                                  copy.deepcopy(data_batch), self.rss_at_start_mib)
+                                  copy.deepcopy(data_batch), self.rss_at_start_mib,
+                                  None if saved is None else (self.bare_model, saved))
 
     @override
     def setup_env(self, env_cfg: dict) -> None:

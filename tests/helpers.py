@@ -319,6 +319,17 @@ class ToyLossModuleModel(ToyModel):
         return losses
 
 
+@MODELS.register_module()
+class ToyValuesModel(ToyLossModuleModel):
+    """Reads values while it is built (as SegFormer's backbone reads its drop-path rates with
+    ``.item()``) and while it runs (the loss module's branch): the meta device can do neither,
+    so the training log's plan prediction is measured."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.aux_weight = float(torch.linspace(0, 2, 3)[1].item())
+
+
 @METRICS.register_module()
 class ToyAccuracy(BaseMetric):
     """Accuracy over the whole validation set (gathered across ranks)."""

@@ -22,6 +22,7 @@ from typing_extensions import override
 from ..compat import full_numel, local_partition
 from ..config.resolve import get_value, precision, zero_stage
 from ..dist import native_bf16
+from ..plan.saved import SavedTensorCounter
 
 
 def peak_memory_mb() -> float:
@@ -30,6 +31,12 @@ def peak_memory_mb() -> float:
         return torch.cuda.max_memory_allocated() / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == 'darwin' else peak / 2**10  # bytes vs KiB
+
+
+def _reason(error: Exception) -> str:
+    """``Type: first line`` of an error, for a log line."""
+    first = str(error).splitlines()[0] if str(error) else ''
+    return f'{type(error).__name__}: {first}'.strip(': ')
 
 
 def parameter_counts(module: torch.nn.Module) -> tuple[int, int]:
@@ -110,8 +117,10 @@ class ThroughputHook(Hook):
         self.interval = interval
         self._reduce_every = interval or 10
         self._last: Optional[float] = None
-        # the plan's peak, said once next to the first measured one
+        # the plan's peak, said once next to the first measured one; for a model the meta
+        # device cannot run, from what the first iteration saved for backward
         self._prediction: Optional[str] = None
+        self._counting: Optional[tuple[SavedTensorCounter, Any, str]] = None
         self._said = False
 
     @override
@@ -123,16 +132,37 @@ class ThroughputHook(Hook):
 
     @override
     def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
-        if self._prediction is not None or not hasattr(runner, 'predicted_peak_mib'):
+        if (self._prediction is not None or self._counting is not None
+                or not hasattr(runner, 'predicted_peak_mib')):
             return
         try:
             self._prediction = (f'`mmengine-deepspeed plan` predicts '
                                 f'{runner.predicted_peak_mib(data_batch):.0f} MiB')
         except Exception as e:  # a prediction must never stop training
-            reason = str(e).splitlines()[0] if str(e) else ''
-            self._prediction = (f'no plan prediction on the meta device ({type(e).__name__}: '
-                                f'{reason}; `mmengine-deepspeed plan` measures this model with '
-                                'one real step, outside the training process)')
+            why = _reason(e)
+            if runner.cfg.get('compile'):  # dynamo traces no saved-tensor hooks: not counted
+                self._prediction = (f'no plan prediction on the meta device ({why}; with '
+                                    '`compile` the first step is not measured; `mmengine-'
+                                    'deepspeed plan` measures this model with one real step)')
+                return
+            counter = SavedTensorCounter(runner.bare_model)
+            context = counter.hooks()
+            context.__enter__()  # left in after_train_iter: this iteration is measured
+            self._counting = (counter, context, why)
+
+    def _measured_prediction(self, runner: Any, data_batch: Any) -> None:
+        """The prediction from what this (first) iteration saved for backward."""
+        assert self._counting is not None
+        counter, context, why = self._counting
+        context.__exit__(None, None, None)
+        try:
+            self._prediction = (
+                f'`mmengine-deepspeed plan` predicts '
+                f'{runner.predicted_peak_mib(data_batch, counter.peak):.0f} MiB (the meta '
+                f'device cannot run this model ({why}): its activations measured in this '
+                'first iteration)')
+        except Exception as e:  # a prediction must never stop training
+            self._prediction = f'no plan prediction ({_reason(e)})'
 
     @override
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
@@ -148,6 +178,8 @@ class ThroughputHook(Hook):
             if tokens:
                 hub.update_scalar('train/tokens_per_s', samples * tokens / elapsed)
         self._last = now
+        if self._counting is not None and self._prediction is None:
+            self._measured_prediction(runner, data_batch)
         if self.every_n_train_iters(runner, self._reduce_every) or runner.iter == 0:
             peak = torch.tensor([peak_memory_mb()], dtype=torch.float64)
             if dist.is_initialized() and dist.get_world_size() > 1:

@@ -1,4 +1,5 @@
-"""``mmengine-deepspeed plan``: will a config fit, under which ZeRO stage and offload."""
-from .planner import Plan, Row, make_plan
+"""``mmengine-deepspeed plan``: will a config fit, under which ZeRO stage and offload.
 
-__all__ = ['Plan', 'Row', 'make_plan']
+The modules are imported where they are used (``plan.planner`` for ``make_plan``):
+``plan.saved`` serves the training log's hook, which engine building imports.
+"""

@@ -26,9 +26,9 @@ from mmengine.runner.activation_checkpointing import turn_on_activation_checkpoi
 from torch import nn
 from typing_extensions import override
 
-from ..compat import storage_key
 from ..engine.spec import SINGLE_ENGINE
 from .census import construction_note, on_meta
+from .saved import SavedTensorCounter
 
 
 @dataclass
@@ -41,7 +41,8 @@ class Activations:
         other_bytes (int): Bytes of integer and boolean tensors (indices, masks).
         float_size (int): Element size the floating tensors were traced in.
         micro_batch (int): Samples in the traced batch.
-        method (str): ``'traced'`` (meta device) or ``'probe'`` (a real forward).
+        method (str): ``'traced'`` (meta device), ``'probe'`` (a real forward in
+            ``plan``) or ``'measured'`` (a training run's first step).
         note (str, optional): Why tracing failed, for a probe.
     """
 
@@ -82,39 +83,22 @@ class _OnMeta(nn.Module):
         return _to(self.preprocessor(data, training), 'meta')
 
 
-class _Recorder:
-    """Counts saved tensors once per storage, and stands in for the optim wrapper(s)
-    ``train_step`` is given: each ``update_params`` (or ``backward``) closes one forward's
-    count, since its backward frees those activations before the step's next forward (a
-    GAN runs several)."""
+class _StandIn:
+    """The optim wrapper(s) ``train_step`` is given on the meta device: each
+    ``update_params`` (or ``backward``) stands in for the backward that would free
+    that forward's saved tensors before the step's next forward (a GAN runs several)."""
 
-    def __init__(self, model: nn.Module):
-        self.params = {storage_key(p) for p in model.parameters()}
-        self.current: dict[int, tuple[int, bool]] = {}
-        self.segments: list[tuple[int, int]] = []
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = storage_key(tensor)
-        if key not in self.params:
-            self.current[key] = (tensor.untyped_storage().nbytes(), tensor.is_floating_point())
-        return tensor
-
-    def largest(self) -> tuple[int, int]:
-        """(float bytes, other bytes) of the forward that saved the most."""
-        if self.current:  # a step that never called the optim wrapper
-            self.backward()
-        return max(self.segments, key=sum, default=(0, 0))
+    def __init__(self, counter: SavedTensorCounter):
+        self.counter = counter
 
     def optim_context(self, *_: Any) -> AbstractContextManager:
         return nullcontext()
 
     def backward(self, *_: Any, **__: Any) -> None:
-        floats = sum(size for size, is_float in self.current.values() if is_float)
-        self.segments.append((floats, sum(size for size, _ in self.current.values()) - floats))
-        self.current.clear()
+        self.counter.release_all()
 
     def update_params(self, *_: Any, **__: Any) -> None:
-        self.backward()
+        self.counter.release_all()
 
     def step(self, *_: Any, **__: Any) -> None:
         """Nothing to step: only activations are counted."""
@@ -139,11 +123,12 @@ def _count(model: nn.Module, batch: Any, checkpointed: list[str],
     if checkpointed:
         turn_on_activation_checkpointing(model, checkpointed)
     model.train()
-    recorder = _Recorder(model)
-    wrapper: Any = recorder if engines == [SINGLE_ENGINE] else {name: recorder for name in engines}
-    with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda tensor: tensor):
+    counter = SavedTensorCounter(model)
+    stand_in = _StandIn(counter)
+    wrapper: Any = stand_in if engines == [SINGLE_ENGINE] else {name: stand_in for name in engines}
+    with counter.hooks():
         model.train_step(batch, wrapper)  # type: ignore[operator]  # a BaseModel
-    return recorder.largest()
+    return counter.peak
 
 
 def trace_activations(cfg: Config, model: nn.Module, batch: Any, micro_batch: int,

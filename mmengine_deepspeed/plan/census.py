@@ -19,6 +19,7 @@ from mmengine.registry import MODELS, init_default_scope
 from torch import nn
 from torch.optim import Optimizer
 
+from ..compat import full_numel
 from ..engine.build import owned_submodules
 from ..engine.spec import as_plain_wrappers, named_optimizers
 from ..zero.partitioned import construction_failure
@@ -135,7 +136,12 @@ def optimizer_states(optimizer: Optimizer) -> tuple[int, Optional[str]]:
 
 
 def census(cfg: Config, model: nn.Module) -> list[EngineCensus]:
-    """One :class:`EngineCensus` per engine the runner would build for ``cfg``'s training."""
+    """One :class:`EngineCensus` per engine the runner would build for ``cfg``'s training.
+
+    ``model`` is the config's model on the meta device, or a real one (ZeRO-3's
+    partitioned parameters count whole): MMEngine's factory only groups its
+    parameters, no optimizer state is allocated.
+    """
     optim_cfg = cfg.get('optim_wrapper')
     if optim_cfg is None:
         raise ValueError('plan needs the config\'s optim_wrapper (what training steps).')
@@ -148,10 +154,10 @@ def census(cfg: Config, model: nn.Module) -> list[EngineCensus]:
         params = list(module.parameters())
         states, note = optimizer_states(optimizer)
         engines.append(EngineCensus(
-            name=name, path=path, numels=[p.numel() for p in params],
-            trainable=sum(p.numel() for p in params if id(p) in stepped),
+            name=name, path=path, numels=[full_numel(p) for p in params],
+            trainable=sum(full_numel(p) for p in params if id(p) in stepped),
             dtypes=dict(_by_dtype(params)),
-            largest_layer=max((sum(p.numel() for p in m.parameters(recurse=False))
+            largest_layer=max((sum(full_numel(p) for p in m.parameters(recurse=False))
                                for m in module.modules()), default=0),
             optimizer=type(optimizer).__name__, states=states, states_note=note))
     return engines
@@ -160,5 +166,5 @@ def census(cfg: Config, model: nn.Module) -> list[EngineCensus]:
 def _by_dtype(params: list[Any]) -> Counter:
     counts: Counter = Counter()
     for p in params:
-        counts[str(p.dtype).replace('torch.', '')] += p.numel()
+        counts[str(p.dtype).replace('torch.', '')] += full_numel(p)
     return counts

@@ -11,6 +11,7 @@ fits as ds_config lines.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import os.path as osp
@@ -18,6 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from mmengine.config import Config
+from torch import nn
 
 from ..config.model_settings import fit_zero3_sizes
 from ..config.resolve import precision
@@ -83,12 +85,15 @@ class Plan:
     def as_json(self) -> dict:
         """The ``--json`` document."""
         recommended = self.recommended
+        acts = self.activations
+        saved = acts.bytes_at(acts.micro_batch, 4 if self.precision == 'fp32' else 2)
         return dict(nproc=self.nproc, nnodes=self.nnodes, platform=self.platform,
                     precision=self.precision, device_mib=round(self.device_mib, 1),
+                    fixed_mib=round(self.fixed_mib, 1),
                     rows=[asdict(row) for row in self.rows],
                     recommended=asdict(recommended) if recommended else None,
-                    activations=dict(method=self.activations.method,
-                                     micro_batch=self.activations.micro_batch),
+                    activations=dict(method=acts.method, micro_batch=acts.micro_batch,
+                                     mib=round(saved / MIB, 1)),
                     notes=self.notes)
 
 
@@ -237,7 +242,8 @@ class _RowModel:
 
 
 def predicted_peak_mib(cfg: Config, ds_configs: dict[str, dict], ranks: int, nproc: int,
-                       batch: Any, fixed_mib: float) -> float:
+                       batch: Any, fixed_mib: float,
+                       measured: Optional[tuple[nn.Module, tuple[int, int]]] = None) -> float:
     """The plan's peak per rank for the layout a run has (the training banner's prediction).
 
     Args:
@@ -247,22 +253,35 @@ def predicted_peak_mib(cfg: Config, ds_configs: dict[str, dict], ranks: int, npr
         nproc (int): Ranks on this node.
         batch (Any): One batch as the loop hands it to ``train_step``.
         fixed_mib (float): The process's RSS before the model was built (0 on CUDA).
+        measured (tuple, optional): For a model the meta device cannot run: the run's
+            own model and the (float bytes, other bytes) its first training step saved
+            for backward (:class:`SavedTensorCounter`). The model is then counted on
+            the meta device where it builds there, else as the run holds it.
 
     Raises:
-        Exception: Whatever building or tracing on the meta device raises (no probe here:
-            it would build the model for real inside training).
+        Exception: Whatever building or tracing on the meta device raises, without
+            ``measured`` (no probe here: a second model would raise the memory being
+            predicted).
     """
     first = next(iter(ds_configs.values()))
     micro_batch = int(first['train_micro_batch_size_per_gpu'])
-    engines = census(cfg, meta_model(cfg, for_real=False))
-    activations = trace_activations(cfg, meta_model(cfg, for_real=False), batch, micro_batch,
-                                    [engine.name for engine in engines], probe=False)
+    compute_bytes = 4 if precision(first) == 'fp32' else 2
+    if measured is None:
+        engines = census(cfg, meta_model(cfg, for_real=False))
+        activations = trace_activations(cfg, meta_model(cfg, for_real=False), batch,
+                                        micro_batch, [engine.name for engine in engines],
+                                        probe=False)
+    else:
+        model, (floats, others) = measured
+        with contextlib.suppress(Exception):  # else its construction needs values: the run's
+            model = meta_model(cfg, for_real=False)
+        engines = census(cfg, model)
+        activations = Activations(floats, others, compute_bytes, micro_batch, 'measured')
     zero = first.get('zero_optimization') or {}
     offloaded = {part: (zero.get(f'offload_{part}') or {}).get('device', 'none') != 'none'
                  for part in ('optimizer', 'param')}
     layout = Layout(int(zero.get('stage', 0)), offloaded['optimizer'], offloaded['param'],
-                    4 if precision(first) == 'fp32' else 2, ranks, micro_batch,
-                    cuda_available())
+                    compute_bytes, ranks, micro_batch, cuda_available())
     zeros = {name: ds.get('zero_optimization') or {} for name, ds in ds_configs.items()}
     return _RowModel(engines, zeros, activations, layout, fixed_mib, nproc).peak_mib(
         micro_batch)[0]

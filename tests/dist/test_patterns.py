@@ -6,8 +6,10 @@ the same 2 ranks, batches and seed.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os.path as osp
+import re
 import sys
 import time
 from typing import Any
@@ -62,6 +64,9 @@ SCENARIOS: list[dict[str, Any]] = [
     {'name': 'scalar_z2_bf16', 'cfg': dict(SCALAR, ds_config=zero(2, bf16={'enabled': True}))},
     {'name': 'loss_module_plain', 'mode': 'plain', 'cfg': LOSS_MODULE},
     {'name': 'loss_module_z3', 'cfg': dict(LOSS_MODULE, ds_config=zero(3))},
+    # built and run with values the meta device lacks: the log's prediction is measured
+    {'name': 'values_z3', 'cfg': dict(LOSS_MODULE, ds_config=zero(3), log_level='INFO',
+                                      model={'type': 'ToyValuesModel', 'with_bn': False})},
 ]
 RESUMED = [
     {'name': 'sched_longer', 'cfg': dict(SCHED, max_epochs=4, resume=True,
@@ -256,3 +261,16 @@ def test_a_loss_module_only_some_ranks_run_trains_at_zero3(out: str) -> None:
     for rank in range(WORLD):
         assert_close(result(out, 'loss_module_z3', rank)['state'],
                      result(out, 'loss_module_plain', rank)['state'])
+
+
+def test_the_logs_prediction_for_a_model_the_meta_device_cannot_run_is_measured(out: str) -> None:
+    """Its construction and its forward read values: the first iteration's saved tensors are
+    counted and the partitioned model itself is counted (ZeRO-3)."""
+    log = '\n'.join(open(p).read() for p in glob.glob(osp.join(out, 'values_z3', '*', '*.log')))
+    found = re.search(r'after the first iteration: (\d+) MiB; `mmengine-deepspeed plan` predicts '
+                      r'(\d+) MiB \(the meta device cannot run this model \((.*?)\): its '
+                      r'activations measured in this first iteration\)', log)
+    assert found, log[-4000:]
+    measured, predicted = int(found[1]), int(found[2])
+    assert found[3] == 'RuntimeError: Tensor.item() cannot be called on meta tensors'
+    assert 0.9 * measured <= predicted <= 1.5 * measured, (measured, predicted)

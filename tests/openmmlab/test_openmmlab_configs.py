@@ -4,7 +4,7 @@ MMDetection (RetinaNet, Faster R-CNN), MMSegmentation (SegFormer) and MMPretrain
 (ResNet) configs, each the library's own config plus the three lines and small generated
 data (``configs.py``), on 2 CPU ranks at ZeRO-2 and ZeRO-3: the library's unchanged
 ``tools/train.py`` under torchrun trains, validates with the library's metric and
-exits 0. Under ZeRO-3 the model is built partitioned (``deepspeed.zero.Init``), anchors
+exits 0, and its log gives the plan's prediction. Under ZeRO-3 the model is built partitioned (``deepspeed.zero.Init``), anchors
 and drop-path rates included, and Faster R-CNN's bbox loss module, which a rank without
 positive RoIs skips, does not stop DeepSpeed (``zero/unused_params.py``). The tier needs
 mmcv with its ops (``.venv-openmmlab``, ``scripts/setup_openmmlab.sh``);
@@ -73,6 +73,14 @@ def test_config_trains_with_the_three_lines(tmp_path: Any, roots: dict[str, str]
     assert losses and all(math.isfinite(loss) for loss in losses), losses
     metric = CONFIGS[name][2]
     assert re.search(rf'{re.escape(metric)}: [\d.]+', log), log[-4000:]
+    # the plan's prediction beside the first peak: traced on the meta device, or (MMDetection's
+    # and MMSegmentation's models read values) from what the first iteration saved
+    found = re.search(r'after the first iteration: (\d+) MiB; `mmengine-deepspeed plan` '
+                      r'predicts (\d+) MiB', log)
+    assert found, log[-4000:]
+    peak = max(float(v) for v in re.findall(r'peak_mem_mb: ([\d.]+)', log))
+    print(f'{name} ZeRO-{stage}: predicted {found[2]} MiB, logged peak {peak:.0f} MiB '
+          f'(ratio {int(found[2]) / peak:.3f}; after the first iteration {found[1]} MiB)')
 
 
 @pytest.mark.parametrize('name', sorted(CONFIGS))

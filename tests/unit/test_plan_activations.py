@@ -10,9 +10,9 @@ from mmengine.registry import MODELS
 
 import mmengine_deepspeed.demo  # noqa: F401  registers TinyGPT, StdlibText
 import tests.toy_gan  # noqa: F401  registers ToyGAN
-from mmengine_deepspeed.plan import make_plan
 from mmengine_deepspeed.plan.activations import _count, one_batch, trace_activations
 from mmengine_deepspeed.plan.census import census, construction_note, meta_model
+from mmengine_deepspeed.plan.planner import make_plan
 from tests.helpers import ToyModel, toy_config
 from tests.toy_gan import gan_config
 

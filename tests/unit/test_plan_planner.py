@@ -33,7 +33,7 @@ def demo_plan() -> dict:
     """The demo planned on 2 ranks of 8 GiB (one plan for several tests)."""
     from mmengine.config import Config
 
-    from mmengine_deepspeed.plan import make_plan
+    from mmengine_deepspeed.plan.planner import make_plan
 
     return make_plan(Config.fromfile(DEMO), nproc=2, device_memory_gib=8).as_json()
 
