@@ -168,6 +168,11 @@ def resolve_ds_config(
     # DeepSpeed logs a progress line every `steps_per_print` steps by default,
     # duplicating LoggerHook; None switches it off (the engine tests for None).
     ds.setdefault('steps_per_print', None)
+    # DeepSpeed's throughput timer synchronizes the device at every forward() and step() of
+    # an engine given no dataloader (always, under MMEngine's loops), to time steps that
+    # ThroughputHook already times without waiting: off unless the ds_config asks for timers.
+    if 'timers' not in ds and not ds.get('wall_clock_breakdown'):
+        ds['timers'] = {'throughput': {'enabled': False}}
     return ds
 
 

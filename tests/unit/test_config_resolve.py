@@ -262,6 +262,18 @@ def test_steps_per_print_is_kept_when_set() -> None:
     assert resolve({'steps_per_print': 50})['steps_per_print'] == 50
 
 
+def test_deepspeeds_throughput_timer_is_off_unless_asked_for() -> None:
+    """Its synchronize at every forward and step would make a GPU wait; the engine reads it
+    through DeepSpeed's own config class."""
+    from deepspeed.utils.config import get_timers_config
+
+    assert not get_timers_config(resolve({})).enabled
+    asked = {'timers': {'throughput': {'enabled': True, 'synchronized': False}}}
+    config = get_timers_config(resolve(asked))
+    assert config.enabled and not config.synchronized
+    assert get_timers_config(resolve({'wall_clock_breakdown': True})).enabled
+
+
 # --- loading -------------------------------------------------------------------
 
 def test_user_dict_is_deep_copied() -> None:
