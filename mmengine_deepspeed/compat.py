@@ -45,6 +45,9 @@ PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
      '(tests/unit/test_stop_and_resume.py)'),
     ('mmengine.hooks', 'EMAHook', '_swap_ema_parameters',
      'overridden: swapping gathered ZeRO-3 weights (tests/dist/test_checkpoint.py EMA cases)'),
+    ('mmengine.logging', 'MessageHub', '_instance_dict',
+     'the runner\'s DeferredMessageHub is MMEngine\'s current hub '
+     '(tests/unit/test_message_hub.py)'),
     ('torch._dynamo.utils', None, 'counters',
      'the compile report of compile=... runs (tests/dist/test_compile.py)'),
 )
@@ -248,3 +251,15 @@ def cpu_probes() -> list[Callable[[], bool]]:
     names = ('_is_avx512_bf16_supported', '_is_amx_tile_supported')
     return [probe for probe in (getattr(torch.cpu, name, None) for name in names)
             if probe is not None]
+
+
+def register_message_hub(name: str, hub: Any) -> None:
+    """Make ``hub`` (a MessageHub subclass's instance) what ``MessageHub.get_instance(name)``
+    and ``MessageHub.get_current_instance()`` return: MMEngine's ``ManagerMixin`` keeps one
+    private ``_instance_dict`` per class, so a subclass's instances are not MessageHub's.
+    Pinned by tests/unit/test_message_hub.py."""
+    from mmengine.logging import MessageHub
+
+    instances = MessageHub._instance_dict
+    instances.pop(name, None)  # the newest is the current one
+    instances[name] = hub

@@ -221,3 +221,22 @@ def _destroy_process_group() -> None:
             torch_dist.monitored_barrier(
                 timeout=datetime.timedelta(seconds=EXIT_BARRIER_TIMEOUT_S))
     torch_dist.destroy_process_group()
+
+
+_CPU_GROUP: dict[str, Any] = {}  # 'world': the default group it was made for, 'group'
+
+
+def cpu_group() -> Any:
+    """A gloo group over all ranks, for small all-reduces of CPU data (checks, agreements).
+
+    Through NCCL such data would make the CPU wait for the GPU's queued work
+    before its value could be read. Created once per default group
+    (collectively, at the first use, which every rank reaches in the same
+    iteration).
+    """
+    world = torch_dist.group.WORLD
+    if torch_dist.get_backend() == 'gloo':
+        return world
+    if _CPU_GROUP.get('world') is not world:
+        _CPU_GROUP.update(world=world, group=torch_dist.new_group(backend='gloo'))
+    return _CPU_GROUP['group']

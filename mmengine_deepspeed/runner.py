@@ -21,7 +21,6 @@ from typing import Any, Optional, Union, cast
 
 import deepspeed
 from mmengine.config import Config
-from mmengine.logging import MessageHub, MMLogger
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.registry import RUNNERS
@@ -56,6 +55,7 @@ from .failure import failing_together
 from .hooks.ema import DeepSpeedEMAHook
 from .hooks.preemption import PreemptionHook
 from .hooks.runner_methods import HookMethods
+from .message_hub import MessageHubMethods
 from .plan.planner import predicted_peak_mib, rss_mib
 from .quiet import quiet_deepspeed
 from .zero.partitioned import build_advice, built_partitioned, gather_on_use
@@ -69,7 +69,7 @@ def _from_cfg(cfg: Optional[Config], key: str, value: Any, default: Any) -> Any:
 
 
 @RUNNERS.register_module()
-class DeepSpeedRunner(CheckpointMethods, HookMethods):
+class DeepSpeedRunner(CheckpointMethods, HookMethods, MessageHubMethods):
     """A :class:`mmengine.runner.Runner` that trains through DeepSpeed.
 
     Takes every ``Runner`` argument plus ``ds_config``. With
@@ -172,23 +172,6 @@ class DeepSpeedRunner(CheckpointMethods, HookMethods):
         init_distributed(self.launcher, env_cfg.get('dist_cfg'))
         super().setup_env(env_cfg)
         quiet_deepspeed(self.rank, verbose=self.cfg.get('log_level', 'INFO') == 'DEBUG')
-
-    @override
-    def build_logger(self, log_level: Union[int, str] = 'INFO', log_file: Optional[str] = None,
-                     **kwargs: Any) -> MMLogger:
-        """MMEngine's logger, under an experiment name no earlier runner here has taken.
-
-        Names end with the start second, so runners built in one process within
-        that second shared MMEngine's logger and MessageHub (histories, best
-        scores, warnings). A suffix (``_2``...) keeps them apart; every rank
-        builds the same runners, so every rank picks the same name.
-        """
-        base, count = self._experiment_name, 1
-        while MMLogger.check_instance_created(self._experiment_name) \
-                or MessageHub.check_instance_created(self._experiment_name):
-            count += 1
-            self._experiment_name = f'{base}_{count}'
-        return super().build_logger(log_level=log_level, log_file=log_file, **kwargs)
 
     @override
     def build_model(self, model: Union[nn.Module, dict]) -> nn.Module:

@@ -150,15 +150,15 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         norm = self.engine.get_global_grad_norm()
         if norm is None:
             norm = fallback_norm
-        if norm is not None:
-            self.message_hub.update_scalar(f'{self._log_prefix}grad_norm', float(norm))
+        if norm is not None:  # a tensor stays on the device until the hub is read
+            self.message_hub.update_scalar(f'{self._log_prefix}grad_norm', norm)
         if self.engine.fp16_enabled():
             self.message_hub.update_scalar(f'{self._log_prefix}loss_scale',
                                            float(self.engine.optimizer.loss_scale))
             self.message_hub.update_scalar(f'{self._log_prefix}skipped_steps',
                                            float(self.engine.skipped_steps))
 
-    def _norm_if_engine_does_not(self) -> Optional[float]:
+    def _norm_if_engine_does_not(self) -> Optional[torch.Tensor]:
         """The grad norm for ZeRO-0 fp32 with clipping, which DeepSpeed does not report.
 
         Under ZeRO-0 the gradients are complete and all-reduced by the end of
@@ -174,8 +174,8 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         if not params:
             return None
         if self.engine.gradient_clipping() == 0:
-            return float(torch.nn.utils.clip_grad_norm_(params, self.clip_max_norm))
-        return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+            return torch.nn.utils.clip_grad_norm_(params, self.clip_max_norm)
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
 
     @override
     def zero_grad(self, **kwargs: Any) -> None:

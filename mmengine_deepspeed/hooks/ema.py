@@ -20,6 +20,7 @@ DeepSpeedRunner uses it wherever a config asks for ``EMAHook``.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -63,6 +64,7 @@ class DeepSpeedEMAHook(EMAHook):
         self._template: Optional[nn.Module] = None
         self._trained: Optional[dict[str, torch.Tensor]] = None
         self._averaged: Optional[dict[str, torch.Tensor]] = None
+        self._steps: Optional[int] = None  # the averaged model's step count, as a number
 
     def take_template(self, model: nn.Module) -> None:
         """Keep an fp32 copy of the bare model (called before ``deepspeed.initialize``).
@@ -86,19 +88,44 @@ class DeepSpeedEMAHook(EMAHook):
             template = whole_copy(model).float()
         self.src_model = model
         self.ema_model = MODELS.build(self.ema_cfg, default_args=dict(model=template))
+        self._steps = None
 
     @override
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
                          outputs: Optional[dict] = None) -> None:
-        """Average the gathered fp32 weights (or copy them before EMA starts)."""
-        with gathered(self.src_model):
-            source = _Fp32View(self.src_model)
-            if self._ema_started(runner):
-                self.ema_model.update_parameters(source)
-            else:
-                current = source.state_dict()
+        """Average the gathered fp32 weights (or copy them before EMA starts); gathered
+        only on the iterations that blend them."""
+        if not self._ema_started(runner):
+            with gathered(self.src_model):
+                current = _Fp32View(self.src_model).state_dict()
                 for key, value in self.ema_model.module.state_dict().items():
                     value.data.copy_(current[key])
+            return
+        ema = self.ema_model
+        steps = int(ema.steps) if self._steps is None else self._steps  # read once per load
+        blends = steps == 0 or steps % ema.interval == 0
+        with gathered(self.src_model) if blends else contextlib.nullcontext():
+            self._update_averaged(_Fp32View(self.src_model), steps, blends)
+        self._steps = steps + 1
+
+    def _update_averaged(self, source: _Fp32View, steps: int, blends: bool) -> None:
+        """MMEngine's ``BaseAveragedModel.update_parameters``, with its step count kept
+        here as a number too: MMEngine's reads the count's tensor on the host twice per
+        iteration (a device wait on a GPU). The same arithmetic, pinned against MMEngine's
+        by tests/unit/test_hooks_ema.py."""
+        ema = self.ema_model
+        if blends:
+            sources = (source.state_dict() if ema.update_buffers
+                       else dict(source.named_parameters()))
+            for key, averaged in ema.avg_parameters.items():
+                if steps == 0:
+                    averaged.data.copy_(sources[key].data)
+                elif averaged.dtype.is_floating_point:
+                    ema.avg_func(averaged.data, sources[key].data.to(averaged.device), steps)
+        if not ema.update_buffers:  # buffers follow the model's (never partitioned)
+            for mine, theirs in zip(ema.module.buffers(), source.buffers()):
+                mine.data.copy_(theirs.data.to(mine.device))
+        ema.steps += 1
 
     @override
     def _swap_ema_parameters(self) -> None:
@@ -149,6 +176,7 @@ class DeepSpeedEMAHook(EMAHook):
             return
         if EMA_KEY in checkpoint:
             self.ema_model.load_state_dict(checkpoint[EMA_KEY], strict=self.strict_load)
+            self._steps = None  # read again from the loaded count
             return
         runner.logger.warning('The checkpoint has no ema_state_dict; EMAHook starts from the '
                               'resumed weights.')

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from mmengine.hooks import Hook, LoggerHook
+from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 from typing_extensions import override
 
@@ -23,6 +23,7 @@ from ..compat import full_numel, local_partition
 from ..config.resolve import get_value, precision, zero_stage
 from ..dist import native_bf16
 from ..plan.saved import SavedTensorCounter
+from .agreement import agreement_of, logging_interval
 
 
 def peak_memory_mb() -> float:
@@ -102,10 +103,10 @@ class ThroughputHook(Hook):
 
     Args:
         interval (int, optional): How often (iterations) the peak memory is
-            reduced over ranks, a small all-reduce that waits for the slowest
-            rank. None takes LoggerHook's interval, so that it runs as
-            often as lines print it, not more (10 without a LoggerHook).
-            Defaults to None.
+            taken over ranks (the run's :class:`~.agreement.Agreement`, on a
+            CPU group: no device waits). None takes LoggerHook's interval, so
+            that it runs as often as lines print it, not more (10 without a
+            LoggerHook). Defaults to None.
     """
 
     priority = 'BELOW_NORMAL'
@@ -127,8 +128,8 @@ class ThroughputHook(Hook):
     def before_train(self, runner: Any) -> None:
         self._last = None
         if self.interval is None:
-            loggers = [hook for hook in runner.hooks if isinstance(hook, LoggerHook)]
-            self._reduce_every = loggers[0].interval if loggers else 10
+            self._reduce_every = logging_interval(runner)
+        agreement_of(runner).provide('peak_mem_mb', lambda: [peak_memory_mb()])
 
     @override
     def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
@@ -181,14 +182,10 @@ class ThroughputHook(Hook):
         if self._counting is not None and self._prediction is None:
             self._measured_prediction(runner, data_batch)
         if self.every_n_train_iters(runner, self._reduce_every) or runner.iter == 0:
-            peak = torch.tensor([peak_memory_mb()], dtype=torch.float64)
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                if dist.get_backend() == 'nccl':
-                    peak = peak.cuda()
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            hub.update_scalar('train/peak_mem_mb', float(peak.item()))
+            peak = agreement_of(runner).agreed(runner.iter)['peak_mem_mb'][0]
+            hub.update_scalar('train/peak_mem_mb', peak)
             if self._prediction is not None and not self._said:
                 self._said = True
                 runner.logger.info(f'peak memory per rank after the first iteration: '
-                                   f'{peak.item():.0f} MiB; {self._prediction} for this '
+                                   f'{peak:.0f} MiB; {self._prediction} for this '
                                    'configuration (its peak once training settles).')

@@ -7,9 +7,11 @@ limit. :class:`PreemptionHook` turns either into a clean stop:
 
 1. while ``train()`` runs, the signal only sets a flag (never inside a step
    or a collective, where a rank cannot stop alone);
-2. every ``interval`` iterations, at an accumulation boundary, the ranks
-   agree with one small all-reduce whether any of them got a signal, so a
-   rank that got none stops with the others;
+2. the ranks agree whether any of them got a signal with the run's other
+   agreements (``hooks/agreement.py``: one small all-reduce on a CPU group,
+   about every 2 seconds of training and at every logging iteration), so a
+   rank that got none stops with the others, at the first update boundary
+   from there;
 3. they save a complete checkpoint, named as CheckpointHook names it at that
    iteration (``iter_N.pth``), ``last_checkpoint`` naming it;
 4. rank 0 logs one line saying why, and every rank exits with status
@@ -33,8 +35,6 @@ from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any, Optional
 
-import torch
-import torch.distributed as torch_dist
 from mmengine.hooks import CheckpointHook, Hook
 from mmengine.optim import OptimWrapperDict
 from mmengine.registry import HOOKS
@@ -42,6 +42,7 @@ from typing_extensions import override
 
 from ..checkpoint.layout import LAST_CHECKPOINT, write_text_atomic
 from ..compat import save_with_checkpoint_hook
+from .agreement import agreement_of
 
 DEFAULT_SIGNALS = ('SIGTERM', 'SIGUSR1')
 
@@ -69,23 +70,29 @@ class PreemptionHook(Hook):
     Args:
         signals (Sequence[str]): Signal names to catch while training. Defaults
             to ``('SIGTERM', 'SIGUSR1')``.
-        interval (int): Agree on a stop every this many iterations (one
-            all-reduce of ``world_size`` integers each time). Defaults to 1.
+        interval (int, optional): Agree on a stop every this many iterations.
+            None: with the run's other agreements (``hooks/agreement.py``: at
+            LoggerHook's intervals, and in between about every 2 seconds of
+            training, one small all-reduce on a CPU group for all of them).
+            Defaults to None.
     """
 
     priority = 'LOWEST'  # after CheckpointHook, which may already save this iteration
 
-    def __init__(self, signals: Sequence[str] = DEFAULT_SIGNALS, interval: int = 1):
+    def __init__(self, signals: Sequence[str] = DEFAULT_SIGNALS,
+                 interval: Optional[int] = None):
         unknown = [name for name in signals
                    if name not in signal.Signals.__members__ and name not in DEFAULT_SIGNALS]
         if unknown:
             raise ValueError(f'PreemptionHook(signals={list(signals)}): {unknown} are not '
                              "signal names; use names such as 'SIGTERM', 'SIGUSR1'.")
-        if not isinstance(interval, int) or interval < 1:
-            raise ValueError(f'PreemptionHook(interval={interval!r}) must be an integer >= 1.')
+        if interval is not None and (not isinstance(interval, int) or interval < 1):
+            raise ValueError(f'PreemptionHook(interval={interval!r}) must be an integer >= 1, '
+                             'or None to agree with the run\'s other agreements.')
         self.signals = _signal_numbers(signals)
         self.interval = interval
         self.received: Optional[int] = None
+        self._stop: Optional[list[int]] = None  # each rank's signal, once agreed
 
     @contextlib.contextmanager
     def catching_signals(self) -> Iterator[None]:
@@ -113,35 +120,33 @@ class PreemptionHook(Hook):
                         'the next iteration boundary, after a checkpoint.\n'.encode())
 
     @override
+    def before_train(self, runner: Any) -> None:
+        self._stop = None
+        agreement_of(runner).provide(
+            'signal', lambda: [float(self.received or 0) if rank == runner.rank else 0.0
+                               for rank in range(runner.world_size)])
+
+    @override
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
                          outputs: Any = None) -> None:
-        """Agree on a stop; if any rank got a signal, save and leave ``train()``."""
-        if (runner.iter + 1) % self.interval or not _at_update_boundary(runner.optim_wrapper):
+        """Agree on a stop; if any rank got a signal, save and leave ``train()`` (at an
+        update boundary: accumulated gradients are not in a checkpoint)."""
+        agreement = agreement_of(runner)
+        due = (runner.iter + 1) % self.interval == 0 if self.interval else agreement.due(
+            runner.iter)
+        if due and self._stop is None:
+            by_rank = [int(x) for x in agreement.agreed(runner.iter)['signal']]
+            self._stop = by_rank if any(by_rank) else None
+        if self._stop is None or not _at_update_boundary(runner.optim_wrapper):
             return
-        by_rank = self._agree()
-        if not any(by_rank):
-            return
-        number = max(by_rank)
+        number = max(self._stop)
         path = save_preemption_checkpoint(runner)
-        ranks = [rank for rank, got in enumerate(by_rank) if got]
+        ranks = [rank for rank, got in enumerate(self._stop) if got]
         runner.logger.warning(
             f'{signal.Signals(number).name} reached rank{"s" if len(ranks) > 1 else ""} '
             f'{", ".join(map(str, ranks))}: stopped after iteration {runner.iter + 1} and saved '
             f'{path}; resume with --resume (resume=True) to continue exactly from there.')
         raise Preempted(128 + number)
-
-    def _agree(self) -> list[int]:
-        """Each rank's received signal (0: none), the same list on every rank."""
-        if not (torch_dist.is_initialized() and torch_dist.get_world_size() > 1):
-            return [self.received or 0]
-        from deepspeed.accelerator import get_accelerator
-
-        flags = torch.zeros(torch_dist.get_world_size(), dtype=torch.int32,
-                            device=get_accelerator().current_device_name()
-                            if torch_dist.get_backend() == 'nccl' else 'cpu')
-        flags[torch_dist.get_rank()] = self.received or 0
-        torch_dist.all_reduce(flags)
-        return [int(f) for f in flags.tolist()]
 
 
 def _at_update_boundary(optim_wrapper: Any) -> bool:

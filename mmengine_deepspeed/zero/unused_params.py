@@ -42,6 +42,7 @@ from torch import nn
 from typing_extensions import override
 
 from ..compat import hook_dict_of, module_hook_dicts, zero3_module_hooks
+from ..dist import cpu_group
 
 SWITCH = ("model_wrapper_cfg=dict(type='MMDistributedDataParallel', "
           'find_unused_parameters=True)')
@@ -62,25 +63,6 @@ def reached_parameters(loss: torch.Tensor) -> set[int]:
             reached.add(id(variable))
         stack.extend(child for child, _ in node.next_functions if child is not None)
     return reached
-
-
-_CPU_GROUP: dict[str, Any] = {}  # 'world': the default group it was made for, 'group'
-
-
-def _cpu_group() -> Any:
-    """A gloo group over all ranks, for the check's small all-reduce of CPU data.
-
-    The mask is built on the CPU; sending it through NCCL would make the
-    CPU wait for the GPU's queued forward pass before launching backward.
-    Created once per default group (collectively, at the first check, which
-    every rank reaches in the same iteration).
-    """
-    world = dist.group.WORLD
-    if dist.get_backend() == 'gloo':
-        return world
-    if _CPU_GROUP.get('world') is not world:
-        _CPU_GROUP.update(world=world, group=dist.new_group(backend='gloo'))
-    return _CPU_GROUP['group']
 
 
 def _listed(names: Sequence[str]) -> str:
@@ -131,7 +113,7 @@ class UsedParameters:
     @staticmethod
     def _agree(names: tuple[str, ...], used: frozenset[str]) -> frozenset[str]:
         counts = torch.tensor([name in used for name in names], dtype=torch.int32)
-        dist.all_reduce(counts, group=_cpu_group())
+        dist.all_reduce(counts, group=cpu_group())
         world = dist.get_world_size()
         partly = [name for name, count in zip(names, counts.tolist()) if 0 < count < world]
         if partly:

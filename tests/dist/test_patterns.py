@@ -12,6 +12,7 @@ import os.path as osp
 import re
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -266,7 +267,8 @@ def test_a_loss_module_only_some_ranks_run_trains_at_zero3(out: str) -> None:
 def test_the_logs_prediction_for_a_model_the_meta_device_cannot_run_is_measured(out: str) -> None:
     """Its construction and its forward read values: the first iteration's saved tensors are
     counted and the partitioned model itself is counted (ZeRO-3)."""
-    log = '\n'.join(open(p).read() for p in glob.glob(osp.join(out, 'values_z3', '*', '*.log')))
+    logs = glob.glob(osp.join(out, 'values_z3', '*', '*.log'))
+    log = '\n'.join(Path(p).read_text() for p in logs)
     found = re.search(r'after the first iteration: (\d+) MiB; `mmengine-deepspeed plan` predicts '
                       r'(\d+) MiB \(the meta device cannot run this model \((.*?)\): its '
                       r'activations measured in this first iteration\)', log)

@@ -4,9 +4,10 @@ MMDetection (RetinaNet, Faster R-CNN), MMSegmentation (SegFormer) and MMPretrain
 (ResNet) configs, each the library's own config plus the three lines and small generated
 data (``configs.py``), on 2 CPU ranks at ZeRO-2 and ZeRO-3: the library's unchanged
 ``tools/train.py`` under torchrun trains, validates with the library's metric and
-exits 0, and its log gives the plan's prediction. Under ZeRO-3 the model is built partitioned (``deepspeed.zero.Init``), anchors
-and drop-path rates included, and Faster R-CNN's bbox loss module, which a rank without
-positive RoIs skips, does not stop DeepSpeed (``zero/unused_params.py``). The tier needs
+exits 0, and its log gives the plan's prediction. Under ZeRO-3 the model is built
+partitioned (``deepspeed.zero.Init``), anchors and drop-path rates included, and
+Faster R-CNN's bbox loss module, which a rank without positive RoIs skips, does not
+stop DeepSpeed (``zero/unused_params.py``). The tier needs
 mmcv with its ops (``.venv-openmmlab``, ``scripts/setup_openmmlab.sh``);
 ``scripts/test_openmmlab.sh`` runs it.
 """

@@ -7,6 +7,7 @@ import os
 import pickle
 import random
 import signal
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from mmengine_deepspeed.checkpoint.data_order import (
 from mmengine_deepspeed.checkpoint.loop import EpochIterator
 from mmengine_deepspeed.compat import InfiniteDataloaderIterator
 from mmengine_deepspeed.failure import is_failure
+from mmengine_deepspeed.hooks.agreement import agreement_of
 from mmengine_deepspeed.hooks.monitor import ThroughputHook
 from mmengine_deepspeed.hooks.preemption import Preempted, PreemptionHook, _at_update_boundary
 from mmengine_deepspeed.hooks.registration import (
@@ -77,7 +79,9 @@ def test_signals_are_caught_only_inside_the_block() -> None:
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGUSR1)  # a second one changes nothing
         assert hook.received == signal.SIGUSR1
-        assert hook._agree() == [int(signal.SIGUSR1)]  # no process group: this rank's own
+        runner = SimpleNamespace(rank=0, world_size=1, hooks=[])
+        hook.before_train(runner)  # no process group: this rank's own
+        assert agreement_of(runner).agreed(0)['signal'] == [int(signal.SIGUSR1)]
     assert signal.getsignal(signal.SIGUSR1) is before
 
 

@@ -1,0 +1,137 @@
+"""A MessageHub that reads tensor values on the host only when the hub is read.
+
+MMEngine's ``RuntimeInfoHook`` hands every iteration's losses to the message hub
+as tensors, and ``MessageHub.update_scalar`` reads each one on the host
+(``.item()``): on a GPU, every iteration would wait there until its kernels have
+run, and the CPU could not queue the next step ahead. :class:`DeferredMessageHub`
+keeps such values (detached) and reads all of them in one transfer when anything
+reads the hub: LoggerHook at its interval, ``get_scalar``, ``log_scalars``, a
+checkpoint's ``state_dict``. The history, and so every figure the log shows, is
+what MMEngine's hub would hold. The runner builds it (:class:`MessageHubMethods`)
+and makes it MMEngine's current hub (``MessageHub.get_current_instance()`` returns
+it), under an experiment name no earlier runner in the process has taken.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Optional, Union
+
+import torch
+from mmengine.logging import HistoryBuffer, MessageHub, MMLogger
+from mmengine.runner import Runner
+from typing_extensions import override
+
+from .compat import register_message_hub
+
+# Read anyway after this many values: a run whose hub nobody reads keeps no more.
+MAX_PENDING = 10_000
+
+
+class DeferredMessageHub(MessageHub):
+    """:class:`mmengine.logging.MessageHub`, whose one-element tensor scalars are read
+    on the host when the hub is read, all at once, instead of at each update.
+
+    Args:
+        name (str): The hub's name (MMEngine's ``ManagerMixin``).
+        **kwargs: The arguments of :class:`mmengine.logging.MessageHub`.
+    """
+
+    def __init__(self, name: str, **kwargs: Any):
+        super().__init__(name, **kwargs)
+        self._pending: list[tuple[str, torch.Tensor, int, bool]] = []
+        self._pending_keys: set[str] = set()
+
+    @classmethod
+    def build(cls, name: str, **kwargs: Any) -> DeferredMessageHub:
+        """The hub named ``name`` (one per name, as ``get_instance``), made MMEngine's
+        current message hub."""
+        hub = cls.get_instance(name, **kwargs)
+        register_message_hub(name, hub)
+        return hub
+
+    @override
+    def update_scalar(self, key: str, value: Any, count: int = 1, resumed: bool = True) -> None:
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and isinstance(count, int):
+            self._pending.append((key, value.detach(), count, resumed))
+            self._pending_keys.add(key)
+            if len(self._pending) >= MAX_PENDING:
+                self.read_pending()
+            return
+        if key in self._pending_keys:  # a key's history stays in order
+            self.read_pending()
+        super().update_scalar(key, value, count, resumed)
+
+    def read_pending(self) -> None:
+        """Put the kept tensor values into the history: one host read per device and dtype."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        self._pending_keys.clear()
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for index, (_, value, _, _) in enumerate(pending):
+            groups.setdefault((value.device, value.dtype), []).append(index)
+        values: list[Union[int, float]] = [0] * len(pending)
+        for indices in groups.values():
+            read = torch.stack([pending[i][1].reshape(()) for i in indices]).tolist()
+            for i, number in zip(indices, read):
+                values[i] = number
+        for (key, _, count, resumed), number in zip(pending, values):
+            super().update_scalar(key, number, count, resumed)
+
+    @property
+    @override
+    def log_scalars(self) -> OrderedDict:
+        self.read_pending()
+        return super().log_scalars
+
+    @override
+    def get_scalar(self, key: str) -> HistoryBuffer:
+        """The key's history; kept values are read only if some are this key's (MMEngine's
+        IterTimerHook reads ``train/time`` every iteration)."""
+        if key in self._pending_keys:
+            self.read_pending()
+        scalars = super().log_scalars
+        if key not in scalars:
+            raise KeyError(f'{key} is not found in Messagehub.log_buffers: instance name is: '
+                           f'{self.instance_name}')
+        return scalars[key]
+
+    @override
+    def state_dict(self) -> dict:
+        self.read_pending()
+        return super().state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: Union[MessageHub, dict]) -> None:
+        self.read_pending()
+        super().load_state_dict(state_dict)
+
+
+class MessageHubMethods(Runner):
+    """Runner's ``build_logger`` and ``build_message_hub`` for :class:`DeepSpeedRunner`."""
+
+    @override
+    def build_logger(self, log_level: Union[int, str] = 'INFO', log_file: Optional[str] = None,
+                     **kwargs: Any) -> MMLogger:
+        """MMEngine's logger, under an experiment name no earlier runner here has taken.
+
+        Names end with the start second, so runners built in one process within
+        that second shared MMEngine's logger and MessageHub (histories, best
+        scores, warnings). A suffix (``_2``...) keeps them apart; every rank
+        builds the same runners, so every rank picks the same name.
+        """
+        base, count = self._experiment_name, 1
+        while MMLogger.check_instance_created(self._experiment_name) \
+                or MessageHub.check_instance_created(self._experiment_name):
+            count += 1
+            self._experiment_name = f'{base}_{count}'
+        return super().build_logger(log_level=log_level, log_file=log_file, **kwargs)
+
+    @override
+    def build_message_hub(self, message_hub: Optional[dict] = None) -> MessageHub:
+        """MMEngine's hub, reading tensor values on the host only when it is read
+        (:class:`~.message_hub.DeferredMessageHub`: no wait per iteration)."""
+        if message_hub is not None and not isinstance(message_hub, dict):
+            raise TypeError(f'message_hub should be dict or None, but got {message_hub}')
+        kwargs = dict(message_hub or {})
+        return DeferredMessageHub.build(kwargs.pop('name', self.experiment_name), **kwargs)

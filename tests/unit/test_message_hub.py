@@ -1,0 +1,72 @@
+"""message_hub.py: tensor scalars read on the host when the hub is read, all at once."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+from mmengine.logging import MessageHub
+from torch.overrides import TorchFunctionMode
+
+from mmengine_deepspeed.message_hub import DeferredMessageHub
+
+
+class _Reads(TorchFunctionMode):
+    """Counts host reads of tensor values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func: Callable, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func in (torch.Tensor.item, torch.Tensor.tolist):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_values_are_read_once_when_the_hub_is_read_with_mmengines_history() -> None:
+    deferred = DeferredMessageHub.build('deferred_hub_test')
+    plain = MessageHub.get_instance('plain_hub_test')
+    losses = [torch.tensor(v) for v in (0.5, 0.25, 1.5)]
+    with _Reads() as reads:
+        for i, loss in enumerate(losses):
+            for hub in (deferred, plain):
+                hub.update_scalar('train/loss', loss)
+                hub.update_scalar('train/grad_norm', torch.tensor(i, dtype=torch.int64))
+                hub.update_scalar('train/lr', 0.1 * i)  # plain numbers go in at once
+        plain_reads = reads.count
+        reads.count = 0
+        deferred.get_scalar('train/lr')  # as IterTimerHook every iteration: nothing kept
+        assert reads.count == 0
+        deferred_loss = deferred.get_scalar('train/loss')
+        assert reads.count == 2  # one per dtype (float32, int64), whatever the number
+    assert plain_reads == 6
+    for key in ('train/loss', 'train/grad_norm', 'train/lr'):
+        assert deferred.get_scalar(key).data[0].tolist() == plain.get_scalar(key).data[0].tolist()
+    assert deferred_loss.current() == 1.5
+    assert type(deferred.get_scalar('train/grad_norm').current()) is type(
+        plain.get_scalar('train/grad_norm').current())
+
+
+def test_a_keys_history_stays_in_order_and_checkpoints_hold_every_value() -> None:
+    hub = DeferredMessageHub.build('deferred_hub_order_test')
+    hub.update_scalar('loss', torch.tensor(1.0))
+    hub.update_scalar('loss', 2.0)  # a number after a kept tensor: the tensor goes first
+    hub.update_scalar('loss', torch.tensor(3.0))
+    assert hub.state_dict()['log_scalars']['loss'].data[0].tolist() == [1.0, 2.0, 3.0]
+    other = DeferredMessageHub.build('deferred_hub_load_test')
+    other.load_state_dict(hub.state_dict())
+    assert other.get_scalar('loss').data[0].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_it_is_mmengines_current_hub_and_refuses_what_mmengine_refuses() -> None:
+    """Pins compat.register_message_hub: MMEngine's class-level registry of instances."""
+    hub = DeferredMessageHub.build('deferred_hub_current_test')
+    assert MessageHub.get_current_instance() is hub
+    assert MessageHub.get_instance('deferred_hub_current_test') is hub
+    assert DeferredMessageHub.build('deferred_hub_current_test') is hub
+    with pytest.raises(AssertionError):
+        hub.update_scalar('loss', torch.ones(2))
+    with pytest.raises(KeyError, match='loss is not found'):
+        hub.get_scalar('loss')
