@@ -1,9 +1,11 @@
 """What stopping and resuming cost: the preemption check per iteration, and the time
 from a resumed run's start to its first step, by resume position.
 
-* **Preemption agreement** (2 ranks, the benchmark GPT, ZeRO-2): PreemptionHook's
-  all-reduce of one integer per rank, which it runs every iteration by default, timed
-  over many calls after training, against the median training step of the same run.
+* **Preemption agreement** (2 ranks, the benchmark GPT, ZeRO-2): the run's agreement
+  (``hooks/agreement.py``: one all-reduce on a CPU group carrying PreemptionHook's signal
+  flags and the peak memory), timed over many calls after training, against the median
+  training step of the same run; it runs at most every iteration (steps of 2 s and more)
+  and every 10th for steps under 0.2 s.
 * **Time to the first resumed step** (1 process, the tiny model, ZeRO-2, a dataset whose
   transform sleeps ``SLEEP_MS`` per sample as decoding and augmenting would): resumed at
   iteration 10 and 10,000 by DeepSpeedRunner's iteration loop (skips at the sampler) and
@@ -130,7 +132,8 @@ def main() -> None:
         agreement = torchrun(osp.join('benchmarks', 'stop_and_resume_worker.py'),
                              [str(train_iters), str(agree_calls), osp.join(tmp, 'agree')],
                              nproc=device_ranks())[0]
-        print(table(['ranks', 'device', 'median step ms', 'agreement us', 'agreement / step'],
+        print(table(['ranks', 'device', 'median step ms', 'agreement us',
+                     'agreement / step (were it every iteration)'],
                     [[agreement['world'], agreement['device'], agreement['step_ms'],
                       agreement['agree_us'],
                       f'{agreement["agree_us"] / 10 / agreement["step_ms"]:.3f} %']]))

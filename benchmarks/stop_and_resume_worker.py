@@ -1,5 +1,5 @@
 """One rank of the preemption-agreement benchmark: train the benchmark GPT (ZeRO-2) with
-PreemptionHook, then time the hook's agreement alone.
+PreemptionHook, then time the run's agreement (``hooks/agreement.py``) alone.
 
 Usage (under torchrun): ``stop_and_resume_worker.py TRAIN_ITERS AGREE_CALLS WORK_DIR``.
 Rank 0 prints ``RESULT {json}``: the median step (ms), the mean agreement (us), world size
@@ -22,7 +22,7 @@ from mmengine.registry import RUNNERS
 import mmengine_deepspeed.demo  # noqa: F401  registers DeepSpeedRunner and TinyGPT
 from benchmarks.common import device_name, ds_config
 from benchmarks.overhead_worker import mmengine_cfg
-from mmengine_deepspeed.hooks.preemption import PreemptionHook
+from mmengine_deepspeed.hooks.agreement import agreement_of
 
 
 class StepClock(Hook):
@@ -45,11 +45,11 @@ def main() -> None:
     runner.register_hook(clock)
     runner.train()
     steps = [b - a for a, b in zip(clock.ends[2:], clock.ends[3:])]  # after warm-up
-    hook = next(h for h in runner.added_hooks if isinstance(h, PreemptionHook))
+    agreement = agreement_of(runner)  # what PreemptionHook (and ThroughputHook) agree through
     dist.barrier()
     start = time.perf_counter()
-    for _ in range(calls):
-        hook._agree()
+    for call in range(calls):
+        agreement.agreed(runner.iter + 1 + call)  # one collective each: a new iteration
     agree = torch.tensor([(time.perf_counter() - start) / calls], dtype=torch.float64)
     dist.all_reduce(agree, op=dist.ReduceOp.MAX)
     if runner.rank == 0:
