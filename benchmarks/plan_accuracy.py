@@ -1,8 +1,8 @@
 """Does ``mmengine-deepspeed plan`` predict what training logs? Predicted against measured.
 
-For three model families at two sizes (``plan_models.py``: the demo GPT, a CNN with
-BatchNorm, a transformer with frozen parts; the larger over 50M parameters), fp32
-and bf16, ZeRO 0-3 on 2 ranks: ``plan CONFIG --nproc 2 --json`` in a fresh process
+For three model families in several shapes (``plan_models.py``: the demo GPT, a CNN
+with BatchNorm, a transformer with frozen parts; up to 203M parameters), fp32 and
+bf16, ZeRO 0-3 on 2 ranks: ``plan CONFIG --nproc 2 --json`` in a fresh process
 (its row for the stage, no offload) against the largest ``train/peak_mem_mb`` the
 training log reports for the same config (10 iterations: ZeRO-3's RSS creeps for several,
 ``plan_accuracy_worker.py``). Beside them, what the other tools would say for the
@@ -11,16 +11,17 @@ the fp32 weights, for one process, without activations) and DeepSpeed's
 ``estimate_zero2/3_model_states_mem_needs`` (model states only, 16-bit parameters
 assumed; none for ZeRO-0/1).
 
-The CPU heap coefficients of ``plan/memory.py`` were fitted to the first six
-cases (``plan_models.FITTED``); ``plan_models.HELD_OUT`` took no part in the fit,
-and their error is reported on its own line. Training is the slow half: each
+The CPU heap coefficients of ``plan/memory.py`` are fitted to
+``plan_models.FITTED`` (``--fit`` prints them); ``plan_models.HELD_OUT`` takes no
+part in the fit, and its error is reported on its own line. Training is the slow half: each
 measured peak is kept in ``--measured`` (JSON, by case) and a case is trained only
 when it has none there (``--remeasure``: all again), so that a change to the
 planner is checked against the same measurements by planning again only
 (``--replan``: no training at all).
 
     python benchmarks/plan_accuracy.py [--cases fitted,held_out] [--precisions fp32,bf16]
-                                       [--stages 0,1,2,3] [--replan] [--smoke]
+                                       [--stages 0,1,2,3] [--replan | --remeasure]
+                                       [--fit] [--smoke]
 """
 from __future__ import annotations
 

@@ -121,11 +121,13 @@ class DeepSpeedEngineWrapper(nn.Module):
 
     @override
     def train(self, mode: bool = True) -> DeepSpeedEngineWrapper:
-        """Set training mode on every engine and the whole model (the loops call it)."""
-        super().train(mode)
-        for engine in self.engines.values():
-            engine.train(mode)
-        self.module.train(mode)
+        """Set training mode on every engine and the whole model (MMEngine's iteration loop
+        calls it every iteration: the model's tree is walked once, as DDP's would be)."""
+        super().train(mode)  # one engine: a submodule, whose train() sets the model's
+        if self.__dict__['_whole_model'] is not None:  # several: not submodules
+            self.module.train(mode)
+            for engine in self.engines.values():
+                engine.train(mode)
         return self
 
     def train_step(self, data: Data, optim_wrapper: OptimWrapper) -> dict[str, torch.Tensor]:
