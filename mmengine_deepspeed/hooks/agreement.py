@@ -44,8 +44,12 @@ class Agreement:
         self._since: Optional[tuple[int, float]] = None  # (iteration, time) of the last
 
     def provide(self, name: str, provider: Callable[[], list[float]]) -> None:
-        """Contribute ``provider()`` (as many numbers on every rank) to each agreement."""
+        """Contribute ``provider()`` (as many numbers on every rank) to each agreement.
+
+        Hooks provide in ``before_train``: a new ``train()`` starts the timing afresh.
+        """
         self._providers[name] = provider
+        self.period, self._last, self._since = 1, None, None
 
     def due(self, iteration: int) -> bool:
         """Whether iteration ``iteration`` (0-based, finished) agrees: the same on every rank."""

@@ -42,3 +42,13 @@ def test_the_run_has_one_agreement_at_loggerhooks_interval() -> None:
     first = agreement_of(runner)
     assert agreement_of(runner) is first and first.interval == 7
     assert agreement_of(SimpleNamespace(hooks=[])).interval == 10
+
+
+def test_a_new_train_starts_afresh() -> None:
+    agreement = Agreement(interval=10)
+    agreement.provide('signal', lambda: [15.0])
+    agreement.agreed(0)
+    agreement.agreed(1)
+    assert agreement.period == 10
+    agreement.provide('signal', lambda: [0.0])  # the hooks' before_train of the next train()
+    assert agreement.period == 1 and agreement.agreed(0) == {'signal': [0.0]}
