@@ -1,7 +1,9 @@
 """One rank of the overhead benchmark: train N iterations one way, report the speed.
 
 Usage (under torchrun): ``overhead_worker.py MODE MODEL STAGE WARMUP ITERS WORK_DIR
-[--profile]``, MODE one of ``raw`` (a hand-written DeepSpeed loop), ``runner``
+[--profile]``, MODE one of ``raw`` (a hand-written DeepSpeed loop on the ds_config the
+runner resolves, reading its loss every ``LOG_INTERVAL`` iterations as a training script
+logs it; every mode logs at that interval), ``runner``
 (DeepSpeedRunner; the result carries the milliseconds its per-iteration check that
 all ranks used the same parameters took), ``runner_find_unused`` (DeepSpeedRunner with
 ``find_unused_parameters=True``), ``runner_compiled`` (DeepSpeedRunner with MMEngine's
@@ -41,6 +43,8 @@ STRATEGY_PATCHES = (
     'torch.cuda.set_device on CPU)',
 )
 CUDA = torch.cuda.is_available()
+# Every loop logs its loss this often (the runner's LoggerHook, the raw loop's own read).
+LOG_INTERVAL = 10
 BACKEND = 'nccl' if CUDA else 'gloo'
 # Where a profiled function's own time is booked (first match wins).
 PACKAGES = (('mmengine_deepspeed', 'mmengine_deepspeed/'), ('mmengine', '/mmengine/'),
@@ -120,7 +124,8 @@ def mmengine_cfg(model_name: str, iters: int, work_dir: str) -> dict:
         model=model, work_dir=work_dir, train_dataloader=loader,
         train_cfg=dict(by_epoch=False, max_iters=iters),
         optim_wrapper=dict(optimizer=dict(type='AdamW', lr=1e-3)),
-        default_hooks=dict(logger=dict(type='LoggerHook', interval=10**6), checkpoint=None),
+        default_hooks=dict(logger=dict(type='LoggerHook', interval=LOG_INTERVAL),
+                           checkpoint=None),
         log_level='WARNING', randomness=dict(seed=0), launcher='pytorch',
         env_cfg=dict(dist_cfg=dict(backend=BACKEND)))
 
@@ -132,7 +137,9 @@ def run_raw(model_name: str, stage: int, iters: int, recorder: Recorder) -> int:
 
     import mmengine_deepspeed.demo  # noqa: F401  the TinyGPT class
     from benchmarks.common import ds_config
+    from mmengine_deepspeed.config.model_settings import fit_to_model
     from mmengine_deepspeed.dist import init_distributed
+    from mmengine_deepspeed.engine.spec import EngineSpecs, mmengine_settings
     from mmengine_deepspeed.hooks.monitor import parameter_counts
     init_distributed('pytorch', dict(backend=BACKEND))
     model_cfg, loader_cfg = model_and_data(model_name)
@@ -142,20 +149,27 @@ def run_raw(model_name: str, stage: int, iters: int, recorder: Recorder) -> int:
     dataset = DATASETS.build(loader_cfg['dataset'])
     loader = DataLoader(dataset, batch_size=loader_cfg['batch_size'],
                         sampler=DistributedSampler(dataset, shuffle=True, seed=0))
-    config = dict(ds_config(stage, model=model_name),
-                  train_micro_batch_size_per_gpu=loader_cfg['batch_size'],
-                  gradient_accumulation_steps=1, steps_per_print=None,
-                  zero_allow_untested_optimizer=True)
+    # the ds_config the runner trains with (batch filled, ZeRO-3's buffers sized to the
+    # model, DeepSpeed's throughput timer off), so both loops run the same DeepSpeed
+    optim_cfg = mmengine_cfg(model_name, iters, '')['optim_wrapper']
+    specs = EngineSpecs(ds_config(stage, model=model_name), None,
+                        mmengine_settings(loader_cfg, optim_cfg, None))
+    specs.resolve(world_size=dist.get_world_size())
+    config = dict(specs.configs()['model'], zero_allow_untested_optimizer=True)
+    fit_to_model(config, model)
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
     batches = iter(loader)
     engine.train()
-    for _ in range(iters):
+    logged = []
+    for step in range(iters):
         batch = next(batches)
         loss = engine(batch['inputs'].to(engine.device), batch['targets'].to(engine.device),
                       mode='loss')['loss']
         engine.backward(loss)
         engine.step()
+        if (step + 1) % LOG_INTERVAL == 0:  # as a training script logs its loss (a host read)
+            logged.append(float(loss))
         recorder.record()
     return parameter_counts(engine.module)[0]
 
