@@ -116,8 +116,8 @@ class PreemptionHook(Hook):
         if self.received is None:
             self.received = number
             name = signal.Signals(number).name
-            os.write(2, f'[rank {os.environ.get("RANK", "0")}] {name} received: stopping at '
-                        'the next iteration boundary, after a checkpoint.\n'.encode())
+            os.write(2, f'[rank {os.environ.get("RANK", "0")}] {name} received: stopping when '
+                        'the ranks next agree (about 2 s), after a checkpoint.\n'.encode())
 
     @override
     def before_train(self, runner: Any) -> None:
