@@ -58,11 +58,19 @@ class FrozenEncoder(BaseModel):
         return dict(loss=F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()))
 
 
-def _text_loader(batch_size: int, block_size: int) -> dict:
-    return dict(batch_size=batch_size, num_workers=0,
-                dataset=dict(type='StdlibText', part='train', block_size=block_size, stride=37),
+def _loader(batch_size: int, dataset: dict) -> dict:
+    return dict(batch_size=batch_size, num_workers=0, dataset=dataset,
                 sampler=dict(type='InfiniteSampler', shuffle=True),
                 collate_fn=dict(type='default_collate'))
+
+
+def _text_loader(batch_size: int, block_size: int) -> dict:
+    return _loader(batch_size, dict(type='StdlibText', part='train', block_size=block_size,
+                                    stride=37))
+
+
+def _image_loader(batch_size: int) -> dict:
+    return _loader(batch_size, dict(type='SyntheticImages'))
 
 
 # family -> size -> (model, train_dataloader)
@@ -80,22 +88,10 @@ FAMILIES: dict[str, dict[str, tuple[dict, dict]]] = {
                    _text_loader(6, 128)),
     },
     'cnn': {
-        'small': (dict(type='SmallConvNet', width=32),
-                  dict(batch_size=16, num_workers=0, dataset=dict(type='SyntheticImages'),
-                       sampler=dict(type='InfiniteSampler', shuffle=True),
-                       collate_fn=dict(type='default_collate'))),
-        'large': (dict(type='SmallConvNet', width=768),
-                  dict(batch_size=16, num_workers=0, dataset=dict(type='SyntheticImages'),
-                       sampler=dict(type='InfiniteSampler', shuffle=True),
-                       collate_fn=dict(type='default_collate'))),
-        '256': (dict(type='SmallConvNet', width=256),
-                dict(batch_size=32, num_workers=0, dataset=dict(type='SyntheticImages'),
-                     sampler=dict(type='InfiniteSampler', shuffle=True),
-                     collate_fn=dict(type='default_collate'))),
-        '128': (dict(type='SmallConvNet', width=128),
-                dict(batch_size=64, num_workers=0, dataset=dict(type='SyntheticImages'),
-                     sampler=dict(type='InfiniteSampler', shuffle=True),
-                     collate_fn=dict(type='default_collate'))),
+        'small': (dict(type='SmallConvNet', width=32), _image_loader(16)),
+        'large': (dict(type='SmallConvNet', width=768), _image_loader(16)),
+        '256': (dict(type='SmallConvNet', width=256), _image_loader(32)),
+        '128': (dict(type='SmallConvNet', width=128), _image_loader(64)),
     },
     'frozen': {
         'small': (dict(type='FrozenEncoder', width=128, depth=4, heads=4, block_size=64),
