@@ -33,8 +33,12 @@ MODELS_CFG = {
     # GPU mode: ~129M parameters (a byte vocabulary, so 18 blocks of width 768
     # stand in for GPT-2 small's 12 blocks plus its 38M-parameter embedding)
     'gpt125m': dict(type='TinyGPT', block_size=1024, width=768, depth=18, heads=12),
+    # host-bound: many small modules, so an iteration is mostly Python (overhead.py
+    # --host-bound splits its host time between the loop, this package and DeepSpeed)
+    'deep12': dict(type='TinyGPT', block_size=16, width=32, depth=12, heads=2),
+    'deep24': dict(type='TinyGPT', block_size=16, width=32, depth=24, heads=2),
 }
-BATCH = {'gpt': 8, 'tiny': 8, 'mlp': 8, 'big': 1, 'gpt125m': 8}
+BATCH = {'gpt': 8, 'tiny': 8, 'mlp': 8, 'big': 1, 'gpt125m': 8, 'deep12': 2, 'deep24': 2}
 FP32_MODELS = ('mlp',)
 # Dense bf16 tensor-core peak per GPU, TFLOP/s, from the vendors' data sheets
 # (without sparsity), by a substring of torch.cuda.get_device_name().

@@ -15,6 +15,13 @@ With --profile, one more launch per mode runs the measured iterations of rank 0 
 cProfile (the tiny model at ZeRO-2, or --profile-case) and prints where each iteration's
 time goes, by package. --models picks the models (mlp: ~4.5M parameters in fp32).
 
+With --host-bound, the runner and the raw loop train two host-bound models (TinyGPT of
+width 32, 12 and 24 blocks, 2 samples of 16 tokens) at ZeRO 0-3 while py-spy samples rank 0
+(a sampler: cProfile's per-call cost would swamp small Python functions), and a table splits
+each iteration's host time between MMEngine's loop, this package, DeepSpeed, torch and the
+model by the innermost Python frame: what this package adds per iteration, whatever the
+depth. Needs py-spy (in the dev extra).
+
 With --compiled, each round also trains the runner with MMEngine's compile=True (each
 engine's module through DeepSpeed's engine.compile(), inductor), and a third table puts its
 speed and its first iteration (compilation included) next to the eager runner's.
@@ -25,7 +32,7 @@ per-iteration check that every rank used the same parameters is timed on its own
 
     python benchmarks/overhead.py [--rounds 3] [--models gpt,mlp,tiny] [--profile]
                                   [--profile-case MODEL:STAGE] [--unused] [--compiled]
-                                  [--peak-tflops T]
+                                  [--host-bound] [--peak-tflops T]
                                   [--smoke]
 """
 from __future__ import annotations
@@ -49,7 +56,11 @@ from benchmarks.overhead_worker import STRATEGY_PATCHES
 MODES = ('raw', 'runner', 'strategy')
 WORKER = osp.join(osp.dirname(osp.abspath(__file__)), 'overhead_worker.py')
 # warm-up, measured
-ITERS = {'gpt125m': (5, 30), 'gpt': (10, 80), 'mlp': (10, 60), 'tiny': (20, 200)}
+ITERS = {'gpt125m': (5, 30), 'gpt': (10, 80), 'mlp': (10, 60), 'tiny': (20, 200),
+         'deep12': (10, 100), 'deep24': (10, 100)}
+HOST_BOUND = ('deep12', 'deep24')
+# The host-bound table's columns: own time of these profile rows, runner and raw loop.
+HOST_ROWS = ('mmengine', 'mmengine_deepspeed', 'deepspeed', 'torch (Python)', 'model')
 SMOKE_ITERS = (2, 3)
 
 
@@ -62,9 +73,11 @@ def mfu(result: dict, peak: Optional[float]) -> Any:
 
 
 def run(mode: str, model: str, stage: int, iters: tuple[int, int], work_dir: str,
-        profile: bool = False) -> dict:
+        profile: bool = False, spy: bool = False) -> dict:
     args = [mode, model, str(stage), *map(str, iters), osp.join(work_dir, mode)]
-    (result,) = torchrun(WORKER, args + (['--profile'] if profile else []), nproc=device_ranks())
+    args += (['--profile'] if profile else [])
+    args += (['--spy', osp.join(work_dir, f'{mode}.spy')] if spy else [])
+    (result,) = torchrun(WORKER, args, nproc=device_ranks())
     return result
 
 
@@ -133,6 +146,19 @@ def profile_table(profiles: dict[str, dict[str, float]]) -> str:
     return table(['own time, ms per iteration (rank 0, cProfile)', *MODES], rows)
 
 
+def host_bound_table(profiles: dict[tuple[str, int, str], dict[str, float]]) -> str:
+    """Per model and stage, each package's own time per iteration, runner / raw loop."""
+    rows = []
+    for model, stage in sorted({(m, s) for m, s, _ in profiles}):
+        runner, raw = profiles[(model, stage, 'runner')], profiles[(model, stage, 'raw')]
+        rows.append([model, f'ZeRO-{stage}',
+                     *(f'{runner.get(row, 0.0):.3f} / {raw.get(row, 0.0):.3f}'
+                       for row in HOST_ROWS),
+                     f'{sum(runner.values()):.2f} / {sum(raw.values()):.2f}'])
+    return table(['model', 'stage', 'MMEngine loop', 'this package', 'DeepSpeed',
+                  'torch', 'the model', 'iteration'], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -149,6 +175,8 @@ def main() -> None:
                         '(default: gpt,tiny, and gpt125m on CUDA)')
     parser.add_argument('--profile-case', default='tiny:2', metavar='MODEL:STAGE',
                         help='what --profile profiles (default: tiny:2)')
+    parser.add_argument('--host-bound', action='store_true',
+                        help='also split the host time of host-bound models, ZeRO 0-3')
     parser.add_argument('--json', metavar='FILE', help='also write every launch\'s result here')
     parser.add_argument('--smoke', action='store_true', help='seconds-long run for CI')
     args = parser.parse_args()
@@ -182,19 +210,29 @@ def main() -> None:
             for mode in MODES:
                 profiles[mode] = run(mode, name, int(stage_text), iters.get(name, ITERS[name]),
                                      tmp, profile=True)['profile_ms']
+        host_bound: dict[tuple[str, int, str], dict[str, float]] = {}
+        for model in HOST_BOUND if args.host_bound else ():
+            for stage in (0, 1, 2, 3):
+                for mode in ('raw', 'runner'):
+                    host_bound[(model, stage, mode)] = run(
+                        mode, model, stage, SMOKE_ITERS if args.smoke else ITERS[model], tmp,
+                        spy=True)['profile_ms']
     if args.json:
         with open(args.json, 'w', encoding='utf-8') as f:
             json.dump(dict(speed=[dict(r) for runs in results.values() for r in runs],
-                           profile=profiles), f, indent=1)
-    first = results[(models[0], stages[0], 'raw')][0]
-    print(speed_table(models, stages, results, peak))
-    against = (f'MFU of the runner\'s fastest round against {peak} TFLOP/s per device' if peak
-               else 'MFU n/a: no bf16 peak known for this device (--peak-tflops sets one)')
-    print(f'\n{rounds} round(s), {first["world"]} rank(s) on {first["device"]}, '
-          'bf16 (mlp: fp32), AdamW; '
-          f'{against}. Patches applied to the strategy run only:')
-    for patch in STRATEGY_PATCHES:
-        print(f'- {patch}')
+                           profile=profiles,
+                           host_bound={' '.join(map(str, key)): value
+                                       for key, value in host_bound.items()}), f, indent=1)
+    if results:
+        first = results[(models[0], stages[0], 'raw')][0]
+        print(speed_table(models, stages, results, peak))
+        against = (f'MFU of the runner\'s fastest round against {peak} TFLOP/s per device' if peak
+                   else 'MFU n/a: no bf16 peak known for this device (--peak-tflops sets one)')
+        print(f'\n{rounds} round(s), {first["world"]} rank(s) on {first["device"]}, '
+              'bf16 (mlp: fp32), AdamW; '
+              f'{against}. Patches applied to the strategy run only:')
+        for patch in STRATEGY_PATCHES:
+            print(f'- {patch}')
     if args.unused:
         print('\n' + unused_table(models, results))
         print('\ncheck: the default runner\'s per-iteration test that all ranks used the same '
@@ -204,6 +242,13 @@ def main() -> None:
         print('\n' + compiled_table(models, stages, results))
         print("\ncompiled: MMEngine's compile=True, applied by DeepSpeedRunner to each engine's "
               'module (engine.compile(), inductor); its first iteration includes compilation.')
+    if host_bound:
+        print('\n' + host_bound_table(host_bound))
+        print('\nms per iteration, runner / raw loop, by the package of the innermost Python '
+              "frame in py-spy's samples of rank 0's training thread (1000 per second, "
+              'measured iterations only; C and C++ code is booked to the Python code that '
+              "called it, so torch's row holds the kernels). 2 ranks and the sampler share the "
+              'cores: compare rows with the iteration, not with unprofiled speeds.')
     if profiles:
         print('\n' + profile_table(profiles))
         print('\nOwn time: time in each package\'s functions themselves, callees excluded; '

@@ -11,7 +11,8 @@ all ranks used the same parameters took), ``runner_find_unused`` (DeepSpeedRunne
 DeepSpeedStrategy, with the patches listed in ``STRATEGY_PATCHES`` applied here only).
 On CUDA every mode uses NCCL and one GPU per rank. Rank 0 prints ``RESULT {json}``;
 with ``--profile`` the measured iterations of rank 0 run under cProfile and the result
-carries the time per iteration spent in each package's own code.
+carries the time per iteration spent in each package's own code; with ``--spy FILE`` the
+same from py-spy's samples of rank 0's measured iterations (no instrumentation).
 """
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ PROCESS_START = time.time()
 
 import collections  # noqa: E402
 import cProfile  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import pstats  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import types  # noqa: E402
 import warnings  # noqa: E402
@@ -47,7 +51,8 @@ CUDA = torch.cuda.is_available()
 LOG_INTERVAL = 10
 BACKEND = 'nccl' if CUDA else 'gloo'
 # Where a profiled function's own time is booked (first match wins).
-PACKAGES = (('mmengine_deepspeed', 'mmengine_deepspeed/'), ('mmengine', '/mmengine/'),
+PACKAGES = (('model', 'mmengine_deepspeed/demo/'),  # the benchmark's models live there
+            ('mmengine_deepspeed', 'mmengine_deepspeed/'), ('mmengine', '/mmengine/'),
             ('deepspeed', '/deepspeed/'), ('torch (Python)', '/torch/'),
             ('benchmark', '/benchmarks/'))
 
@@ -61,15 +66,20 @@ def package_of(filename: str, function: str) -> str:
 
 class Recorder:
     """Stamps the end of every iteration; profiles rank 0's measured ones on request.
+    At the end of the warm-up, ``gc.freeze()`` in every mode alike.
 
     On CUDA each stamp waits for the GPU, in every mode alike, so that a stamp is
     when the iteration's work finished, not when it was queued.
     """
 
-    def __init__(self, warmup: int, profile: bool):
+    def __init__(self, warmup: int, iters: int, profile: bool, spy: Optional[str] = None):
         self.warmup = warmup
+        self.iters = iters
         self.stamps: list[tuple[float, float]] = []
-        self.profiler = cProfile.Profile() if profile and int(os.environ['RANK']) == 0 else None
+        rank0 = int(os.environ['RANK']) == 0
+        self.profiler = cProfile.Profile() if profile and rank0 else None
+        self.spy_file = spy if rank0 else None
+        self.spy: Optional[subprocess.Popen] = None
 
     def record(self) -> None:
         if CUDA:
@@ -77,8 +87,18 @@ class Recorder:
         # CPU time too: it counts all threads (gloo's), and is less disturbed
         # than wall time by other jobs on a shared machine.
         self.stamps.append((time.time(), time.process_time()))
-        if self.profiler is not None and len(self.stamps) == self.warmup + 1:
-            self.profiler.enable()
+        if len(self.stamps) == self.warmup + 1:
+            # What exists after the warm-up stays: the garbage collector no longer walks
+            # it, so a collection is not booked to whichever code happened to allocate.
+            gc.freeze()
+            if self.profiler is not None:
+                self.profiler.enable()
+            if self.spy_file is not None:
+                self.spy = start_spy(self.spy_file)
+                self.stamps[-1] = (time.time(), time.process_time())  # from the first sample
+        if self.spy is not None and len(self.stamps) == self.warmup + 1 + self.iters:
+            self.spy.send_signal(signal.SIGINT)  # the measured iterations only
+            self.spy.communicate()
 
     def profile_ms(self) -> Optional[dict[str, float]]:
         """Milliseconds per measured iteration by package (own time, not callees)."""
@@ -91,6 +111,40 @@ class Recorder:
         for (filename, _, function), (_, _, own, _, _) in stats.items():
             totals[package_of(filename, function)] += own
         return {name: seconds / steps * 1000 for name, seconds in totals.most_common()}
+
+
+SPY_RATE = 1000  # samples per second
+
+
+def start_spy(raw_file: str) -> subprocess.Popen:
+    """py-spy sampling this process's threads into ``raw_file`` until SIGINT: no
+    instrumentation, so small Python functions are not inflated as under cProfile."""
+    spy = subprocess.Popen(
+        ['py-spy', 'record', '--pid', str(os.getpid()), '--rate', str(SPY_RATE),
+         '--nonblocking', '--threads', '--idle', '--full-filenames', '--format', 'raw',
+         '--output', raw_file], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert spy.stdout is not None
+    spy.stdout.readline()  # "Sampling process ...": sampling has started
+    return spy
+
+
+def spy_ms(raw_file: str, seconds: float, steps: int) -> dict[str, float]:
+    """Milliseconds per iteration by package of the innermost Python frame, over the
+    training thread's samples (the thread running this script's ``main``)."""
+    threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    with open(raw_file, encoding='utf-8') as f:
+        for line in f:
+            stack, _, count = line.rstrip('\n').rpartition(' ')
+            thread, _, frames = stack.partition(';')
+            leaf = frames.rpartition(';')[2]
+            package = package_of(leaf[leaf.rfind('(') + 1:leaf.rfind(':')],
+                                 leaf.partition(' (')[0]) if '(' in leaf else 'idle'
+            threads[thread][package] += int(count)
+            threads[thread]['main'] += int(count) if 'overhead_worker.py' in frames else 0
+    counts = threads[max(threads, key=lambda t: threads[t]['main'])]
+    del counts['main']
+    total = sum(counts.values())
+    return {name: n / total * seconds / steps * 1000 for name, n in counts.most_common()}
 
 
 class Clock(Hook):
@@ -258,7 +312,9 @@ def main() -> None:
                                 category=FutureWarning)
     mode, model_name, stage, warmup, iters = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
     work_dir = sys.argv[6]
-    recorder = Recorder(warmup, profile='--profile' in sys.argv[7:])
+    options = sys.argv[7:]
+    recorder = Recorder(warmup, iters, profile='--profile' in options,
+                        spy=options[options.index('--spy') + 1] if '--spy' in options else None)
     total = warmup + iters
     if mode == 'raw':
         params = run_raw(model_name, stage, total, recorder)
@@ -271,6 +327,8 @@ def main() -> None:
     profile = recorder.profile_ms()
     wall, cpu = zip(*recorder.stamps[warmup:])
     steps = len(wall) - 1
+    if recorder.spy_file is not None:
+        profile = spy_ms(recorder.spy_file, wall[-1] - wall[0], steps)
     # CPU time per iteration, summed over the ranks.
     cpu_ms = torch.tensor([(cpu[-1] - cpu[0]) / steps * 1000], dtype=torch.float64,
                           device='cuda' if CUDA else 'cpu')

@@ -50,6 +50,9 @@ PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
      '(tests/unit/test_message_hub.py)'),
     ('torch._dynamo.utils', None, 'counters',
      'the compile report of compile=... runs (tests/dist/test_compile.py)'),
+    ('torch.autograd.graph', 'Node', '_sequence_nr',
+     'the same-parameters check walks the graph again only when its size changed '
+     '(tests/unit/test_compat.py)'),
 )
 
 
@@ -216,6 +219,15 @@ def dynamo_counts() -> dict[str, int]:
     return {'frames': int(counters['frames']['total']),
             'graphs': int(counters['stats']['unique_graphs']),
             'graph_breaks': int(sum(counters['graph_break'].values()))}
+
+
+def autograd_sequence_number(tensor: torch.Tensor) -> Optional[int]:
+    """How many autograd nodes this thread had created before ``tensor``'s (None for a
+    tensor without one): the difference between two losses' numbers is the size of the graph
+    built in between, at no cost. torch numbers nodes so (``Node._sequence_nr``) but has no
+    public accessor; pinned by tests/unit/test_compat.py."""
+    node = tensor.grad_fn
+    return None if node is None else int(node._sequence_nr())
 
 
 def module_hook_dicts(module: nn.Module) -> tuple[dict, ...]:

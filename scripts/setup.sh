@@ -15,5 +15,5 @@ C=requirements/constraints.txt
 python -m pip install -q --upgrade pip setuptools wheel
 python -m pip install -q -c "$C" torch
 python -m pip install -q -c "$C" --no-build-isolation deepspeed mmengine numpy ninja safetensors
-python -m pip install -q -c "$C" pytest pytest-timeout ruff mypy huggingface_hub
+python -m pip install -q -c "$C" pytest pytest-timeout ruff mypy huggingface_hub py-spy
 python -m pip install -q -c "$C" --no-build-isolation --no-deps -e .

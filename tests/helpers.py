@@ -187,6 +187,38 @@ class ToyModel(BaseModel):
 
 
 @MODELS.register_module()
+class ToyManyTypesModel(ToyModel):
+    """ToyModel with a dozen module types between its layers (LayerNorm, GELU, Dropout,
+    SiLU, Sigmoid, Sequential, ModuleDict, ModuleList...), as real models have: under
+    ZeRO-3 each type is another module DeepSpeed hooks, which dynamo must not compile
+    once per type."""
+
+    def __init__(self, data_preprocessor: Optional[dict] = None):
+        super().__init__(with_bn=False, data_preprocessor=data_preprocessor)
+        hidden = self.fc1.out_features
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(
+            norm=nn.LayerNorm(hidden), up=nn.Linear(hidden, 2 * hidden), act=nn.GELU(),
+            drop=nn.Dropout(0.0), down=nn.Sequential(nn.Linear(2 * hidden, hidden), nn.SiLU()),
+            gate=nn.Linear(hidden, hidden), sigmoid=nn.Sigmoid(), tanh=nn.Tanh(),
+            mish=nn.Mish(), softplus=nn.Softplus(), elu=nn.ELU(),
+        )) for _ in range(2))
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        x = self.fc1(inputs)
+        for b in self.blocks:
+            h = b['drop'](b['act'](b['up'](b['norm'](x))))
+            x = x + b['down'](h) * b['sigmoid'](b['gate'](x))
+            x = b['elu'](b['softplus'](b['mish'](b['tanh'](x))))
+        logits = self.fc2(x) + self.frozen
+        if mode == 'loss':
+            return dict(loss=nn.functional.cross_entropy(logits.float(), labels))
+        if mode == 'predict':
+            return [dict(pred=p, label=t) for p, t in zip(logits.argmax(1), labels)]
+        return logits
+
+
+@MODELS.register_module()
 class ToyCustomStepModel(ToyModel):
     """Overrides ``train_step`` (as GANs do) and steps the optim wrapper itself."""
 

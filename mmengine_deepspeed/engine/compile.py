@@ -6,8 +6,8 @@ dynamo's graph (ZeRO-2 dies building guards, ZeRO-3 recompiles until dynamo
 gives up). DeepSpeed's ``engine.compile()`` compiles the module inside the
 engine instead (``nn.Module.compile``), so the forward (and, through
 AOTAutograd, its backward) is compiled and the engine stays eager around it
-(under ZeRO-3 dynamo also traces DeepSpeed's per-module hooks, breaking the
-graph around them).
+(under ZeRO-3 DeepSpeed's per-module hooks run eagerly between the compiled
+pieces, see :func:`hooks_run_eagerly`).
 A model with several engines has each optimizer's submodule compiled, which
 is what its own ``train_step`` calls.
 """
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from ..compat import dynamo_counts
+import torch
+
+from ..compat import dynamo_counts, hook_dict_of, zero3_module_hooks
 from .spec import EngineSpecs
 
 CompileCfg = Union[bool, dict, None]
@@ -52,6 +54,7 @@ def compile_engines(specs: EngineSpecs, options: dict, logger: Any) -> dict[str,
     backend = options.pop('backend', 'inductor')
     for spec in specs:
         assert spec.engine is not None, 'compile_engines runs after the engines are built'
+        hooks_run_eagerly(spec.engine)
         spec.engine.compile(backend=backend, compile_kwargs=options)
     names = ', '.join(f'model.{s.path}' if s.path else 'the model' for s in specs)
     logger.info(f'torch.compile (backend={backend!r}{", " if options else ""}'
@@ -59,6 +62,28 @@ def compile_engines(specs: EngineSpecs, options: dict, logger: Any) -> dict[str,
                 "inside the DeepSpeed engine (engine.compile()), not to train_step; the first "
                 'iterations of training and of validation compile.')
     return dynamo_counts()
+
+
+def hooks_run_eagerly(engine: Any) -> int:
+    """Make dynamo run a ZeRO-3 engine's per-module hooks as they are, untraced.
+
+    DeepSpeed marks its pre-forward hook so, not its post-forward and
+    pre-backward hooks: dynamo traced those into every submodule's call,
+    with guards on the module, and compiled them again for each module type
+    until its recompile limit ("torch._dynamo hit config.recompile_limit"),
+    then ran them eagerly anyway. Untraced from the start, they cost no
+    compilation and no warning, and the graphs between them are the same.
+
+    Returns:
+        int: How many hooks were marked (0 below ZeRO-3).
+    """
+    marked = 0
+    for handle in zero3_module_hooks(engine):
+        hooks = hook_dict_of(handle)
+        if hooks is not None and handle.id in hooks:
+            hooks[handle.id] = torch.compiler.disable(hooks[handle.id])
+            marked += 1
+    return marked
 
 
 def compile_report(before: dict[str, int]) -> str:

@@ -83,6 +83,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         self.clip_max_norm = clip_max_norm
         self.find_unused_parameters = find_unused_parameters
         self._used_parameters = UsedParameters()
+        self._named: Optional[tuple[list[str], list[nn.Parameter]]] = None
 
     @override
     def update_params(self, loss: torch.Tensor, step_kwargs: Optional[dict] = None,
@@ -123,17 +124,22 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         self.engine.set_gradient_accumulation_boundary(self.should_sync())
         retain_graph = kwargs.get('retain_graph', False)
         if self.find_unused_parameters:
-            loss = with_every_parameter(loss, [p for _, p in self._trainable()], retain_graph)
+            loss = with_every_parameter(
+                loss, [p for p in self._parameters()[1] if p.requires_grad], retain_graph)
         elif dist.is_initialized() and dist.get_world_size() > 1:
-            self._used_parameters.check(loss, self._trainable())
+            self._used_parameters.check(loss, *self._parameters())
         if not self.forward_through_engine:
             loss = begin_backward_at(loss, self.engine)
         self.engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
         self._inner_count += 1
 
-    def _trainable(self) -> list[tuple[str, nn.Parameter]]:
-        # Read every time: GANs toggle requires_grad between their steps.
-        return [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
+    def _parameters(self) -> tuple[list[str], list[nn.Parameter]]:
+        """The engine's parameters' names and parameters: fixed once it is built; which of
+        them are trainable is not (GANs toggle ``requires_grad`` between their steps)."""
+        if self._named is None:
+            named = list(self.engine.module.named_parameters())
+            self._named = ([name for name, _ in named], [p for _, p in named])
+        return self._named
 
     @override
     def step(self, **kwargs: Any) -> None:

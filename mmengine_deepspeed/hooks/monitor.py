@@ -118,6 +118,8 @@ class ThroughputHook(Hook):
         self.interval = interval
         self._reduce_every = interval or 10
         self._last: Optional[float] = None
+        self._samples = 0  # per iteration over all ranks, and tokens per sample: before_train
+        self._tokens: Optional[int] = None
         # the plan's peak, said once next to the first measured one; for a model the meta
         # device cannot run, from what the first iteration saved for backward
         self._prediction: Optional[str] = None
@@ -127,6 +129,10 @@ class ThroughputHook(Hook):
     @override
     def before_train(self, runner: Any) -> None:
         self._last = None
+        # fixed for the run: read once, not per iteration
+        self._samples = runner.engine_specs.shared('train_micro_batch_size_per_gpu') \
+            * runner.world_size
+        self._tokens = getattr(runner.model.module, 'tokens_per_sample', None)
         if self.interval is None:
             self._reduce_every = logging_interval(runner)
         agreement_of(runner).provide('peak_mem_mb', lambda: [peak_memory_mb()])
@@ -172,12 +178,9 @@ class ThroughputHook(Hook):
         hub = runner.message_hub
         if self._last is not None:
             elapsed = max(now - self._last, 1e-9)
-            micro = runner.engine_specs.shared('train_micro_batch_size_per_gpu')
-            samples = micro * runner.world_size
-            hub.update_scalar('train/samples_per_s', samples / elapsed)
-            tokens = getattr(runner.model.module, 'tokens_per_sample', None)
-            if tokens:
-                hub.update_scalar('train/tokens_per_s', samples * tokens / elapsed)
+            hub.update_scalar('train/samples_per_s', self._samples / elapsed)
+            if self._tokens:
+                hub.update_scalar('train/tokens_per_s', self._samples * self._tokens / elapsed)
         self._last = now
         if self._counting is not None and self._prediction is None:
             self._measured_prediction(runner, data_batch)

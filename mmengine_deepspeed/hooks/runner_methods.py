@@ -27,6 +27,8 @@ class HookMethods(Runner):
     ``get_hooks_info`` for DeepSpeedRunner (``hooks/registration.py``)."""
 
     added_hooks: list[Hook]  # the runner's own, run beside runner.hooks
+    # (the registered hooks, the merged order): sorted again only when they change
+    _hook_order: Optional[tuple[tuple[Hook, ...], list[Hook]]] = None
 
     @override
     def register_default_hooks(self, hooks: Optional[dict] = None) -> None:
@@ -41,13 +43,17 @@ class HookMethods(Runner):
         (throughput, preemption, streams after validation) beside them, in
         :attr:`added_hooks` (``hooks/registration.py``)."""
         self.added_hooks = added_hooks(default_hooks, custom_hooks)
+        self._hook_order = None
         super().register_hooks(default_hooks, deepspeed_custom_hooks(custom_hooks))
 
     @override
     def call_hook(self, fn_name: str, **kwargs: Any) -> None:
         """MMEngine's ``call_hook`` over the registered hooks and :attr:`added_hooks`,
         in priority order (at equal priority the registered ones first)."""
-        with hooks_in_call(self, in_priority_order(self.hooks, self.added_hooks)):
+        registered = tuple(self.hooks)
+        if self._hook_order is None or registered != self._hook_order[0]:
+            self._hook_order = (registered, in_priority_order(self.hooks, self.added_hooks))
+        with hooks_in_call(self, self._hook_order[1]):
             super().call_hook(fn_name, **kwargs)
 
     @override

@@ -4,6 +4,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 from mmengine.logging import HistoryBuffer
 
 from mmengine_deepspeed import compat
@@ -51,3 +52,24 @@ def test_storage_key_is_one_per_storage_also_on_meta() -> None:
         views = (base.view(6, 4), base.t(), base[1:], base.split(2, dim=1)[1])
         assert {compat.storage_key(v) for v in views} == {compat.storage_key(base)}
         assert compat.storage_key(other) != compat.storage_key(base)
+
+
+def test_a_loss_numbers_the_autograd_nodes_built_before_it() -> None:
+    """zero/unused_params.py walks a graph again only when the count of nodes built between
+    two losses changed: a skipped branch changes it, a repeated forward does not, and
+    operations without gradients (a no_grad block, an input that needs none) count nothing."""
+    weight = torch.ones(3, requires_grad=True)
+    head = torch.ones(3, requires_grad=True)
+
+    def loss(use_head: bool) -> torch.Tensor:
+        with torch.no_grad():
+            (weight * 2).sum()
+        torch.ones(3).exp()
+        out = (weight * 2).relu()
+        return ((out * head) if use_head else out).sum()
+
+    numbers = [compat.autograd_sequence_number(loss(use)) for use in (True, True, True, False)]
+    spans = [b - a for a, b in zip(numbers, numbers[1:])]  # type: ignore[operator]
+    assert spans[0] == spans[1] == 4  # MulBackward, ReluBackward, MulBackward, SumBackward
+    assert spans[2] == 3
+    assert compat.autograd_sequence_number(torch.ones(2)) is None

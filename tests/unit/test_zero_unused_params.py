@@ -1,6 +1,7 @@
 """zero/unused_params.py: parameters some ranks skip."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -32,3 +33,58 @@ def test_find_unused_parameters_gradients_arrive_in_one_order_whatever_was_used(
     body = nn.Linear(3, 3)
     (body(torch.ones(2, 3)).sum() * 1024.0).backward()
     assert torch.equal(skipped_grads[0], body.weight.grad)
+
+
+def test_the_graph_is_walked_again_only_when_its_size_changes_or_periodically(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steady iterations cost no walk; a skipped head changes the graph's size and is caught
+    at once; routing between two heads of one size is caught at the next periodic walk.
+    (One process: the ranks' first agreement is this rank's own set.)"""
+    from mmengine_deepspeed.zero import unused_params
+
+    walks: list[int] = []
+    walk = unused_params.reached_parameters
+    monkeypatch.setattr(unused_params, 'reached_parameters',
+                        lambda loss: walks.append(len(walks)) or walk(loss))
+    monkeypatch.setattr(unused_params.UsedParameters, '_agree',
+                        staticmethod(lambda names, used: used))
+    body, head, other = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+    named = [(f'{prefix}.{name}', p) for prefix, module in
+             (('body', body), ('head', head), ('other', other))
+             for name, p in module.named_parameters()]
+    check = unused_params.UsedParameters()
+
+    def backward(route: str) -> None:
+        out = body(torch.ones(2, 3))
+        branch = {'head': head, 'other': other}.get(route)
+        loss = (out if branch is None else branch(out)).sum()
+        check.check(loss, [name for name, _ in named], [p for _, p in named])
+
+    period = unused_params.FULL_CHECK_PERIOD
+    for _ in range(period + 5):
+        backward('head')
+    assert len(walks) == unused_params.FIRST_FULL_CHECKS + 1  # and the periodic one
+    with pytest.raises(RuntimeError, match=r'now unused: head\.weight, head\.bias'):
+        backward('none')
+    walks.clear()
+    check = unused_params.UsedParameters()
+    for _ in range(period - 2):
+        backward('head')
+    backward('other')  # the same size: not seen until the period's walk, the next one
+    with pytest.raises(RuntimeError, match=r'now used: other\.weight, other\.bias'):
+        for _ in range(period):
+            backward('other')
+    assert len(walks) == unused_params.FIRST_FULL_CHECKS + 1
+    # A new set of trainable parameters (a GAN's other step, an unfrozen backbone) is agreed on
+    # at the next walk every rank takes, not at a walk one rank's graph alone triggered.
+    agreements: list[frozenset[str]] = []
+    monkeypatch.setattr(unused_params.UsedParameters, '_agree',
+                        staticmethod(lambda names, used: agreements.append(used) or used))
+    check = unused_params.UsedParameters()
+    for _ in range(period - 2):
+        backward('head')
+    head.requires_grad_(False)
+    backward('none')  # another size: this rank walks, but does not agree alone
+    assert len(agreements) == 1
+    backward('none')  # the 50th: every rank walks and agrees
+    assert agreements[1] == {'body.weight', 'body.bias'}
