@@ -149,7 +149,7 @@ def run_runner(stage: int, iters: int, work_dir: str, recorder: Recorder) -> Non
 
 def main() -> None:
     mode, stage, warmup, iters = sys.argv[1], *map(int, sys.argv[2:5])
-    recorder = Recorder(warmup, profile='--profile' in sys.argv[6:])
+    recorder = Recorder(warmup, iters, profile='--profile' in sys.argv[6:])
     if mode == 'raw':
         run_raw(stage, warmup + iters, recorder)
     else:

@@ -211,11 +211,13 @@ def main() -> None:
                 profiles[mode] = run(mode, name, int(stage_text), iters.get(name, ITERS[name]),
                                      tmp, profile=True)['profile_ms']
         host_bound: dict[tuple[str, int, str], dict[str, float]] = {}
-        for model in HOST_BOUND if args.host_bound else ():
-            for stage in (0, 1, 2, 3):
+        host_models, host_stages = (HOST_BOUND[:1], (2,)) if args.smoke else (HOST_BOUND,
+                                                                              (0, 1, 2, 3))
+        for model in host_models if args.host_bound else ():
+            for stage in host_stages:
                 for mode in ('raw', 'runner'):
                     host_bound[(model, stage, mode)] = run(
-                        mode, model, stage, SMOKE_ITERS if args.smoke else ITERS[model], tmp,
+                        mode, model, stage, (2, 20) if args.smoke else ITERS[model], tmp,
                         spy=True)['profile_ms']
     if args.json:
         with open(args.json, 'w', encoding='utf-8') as f:

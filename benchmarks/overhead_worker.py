@@ -96,9 +96,11 @@ class Recorder:
             if self.spy_file is not None:
                 self.spy = start_spy(self.spy_file)
                 self.stamps[-1] = (time.time(), time.process_time())  # from the first sample
-        if self.spy is not None and len(self.stamps) == self.warmup + 1 + self.iters:
+        if self.spy is not None and len(self.stamps) == self.warmup + self.iters:
             self.spy.send_signal(signal.SIGINT)  # the measured iterations only
-            self.spy.communicate()
+            said = self.spy.communicate()[0].decode(errors='replace')
+            if self.spy_file is not None and not os.path.exists(self.spy_file):
+                raise RuntimeError(f'py-spy wrote no samples: {said}')
 
     def profile_ms(self) -> Optional[dict[str, float]]:
         """Milliseconds per measured iteration by package (own time, not callees)."""

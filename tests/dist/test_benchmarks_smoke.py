@@ -11,9 +11,10 @@ pytestmark = pytest.mark.dist
 
 
 @pytest.mark.parametrize(('command', 'fragments'), [
-    ('benchmarks/overhead.py --profile --unused --compiled --peak-tflops 1',
+    ('benchmarks/overhead.py --profile --unused --compiled --host-bound --peak-tflops 1',
      ('runner/raw min/med/max', 'runner MFU', 'collective waits', 'mmengine_deepspeed',
-      'find_unused/runner min/med/max', 'check ms/iter', 'compiled/eager min/med/max')),
+      'find_unused/runner min/med/max', 'check ms/iter', 'compiled/eager min/med/max',
+      "py-spy's samples", '| deep12 | ZeRO-2 |')),
     ('benchmarks/memory.py', ('tensors vs 16Φ/N', 'tensors vs layout')),
     ('benchmarks/checkpoint_cost.py', ('save ratio min/med/max', 'zero_to_fp32 command s')),
     ('benchmarks/gan.py --profile', ('runner/raw min/med/max', 'mmengine_deepspeed')),
