@@ -51,7 +51,7 @@ from ..compat import (
 )
 from ..dist import cpu_group
 
-_REQUIRES_GRAD = attrgetter('requires_grad')  # read per backward: C, no Python frame
+_REQUIRES_GRAD = attrgetter('requires_grad')  # C: no Python frame per parameter
 SWITCH = ("model_wrapper_cfg=dict(type='MMDistributedDataParallel', "
           'find_unused_parameters=True)')
 
