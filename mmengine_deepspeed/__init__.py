@@ -8,9 +8,11 @@ needs only ``custom_imports``, ``runner_type`` and ``ds_config``.
 It never imports MMEngine's ``DeepSpeedStrategy`` machinery, whose optimizer
 registration imports a module DeepSpeed 0.19 removed.
 """
+from .ops import keep_builds_per_install
 from .quiet import hide_cpu_accelerator_notice
 
 hide_cpu_accelerator_notice()  # before the imports below import DeepSpeed
+keep_builds_per_install()
 
 from .checkpoint import CheckpointError, export_checkpoint  # noqa: E402
 from .compat import check_upstream  # noqa: E402

@@ -30,6 +30,9 @@ PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
     ('deepspeed.runtime.engine', 'DeepSpeedEngine', '_backward_prologue',
      'ZeRO-3 gradient accumulation through an optimizer stepped outside the engine\'s '
      'forward (tests/dist/test_train.py parity_custom_step_zero3_accum2)'),
+    ('deepspeed.ops', None, '_probe_compatible_ops',
+     'the ops DeepSpeed may JIT-build (``__compatible_ops__``, made by it): the CPU '
+     'inference all-reduce op not built for training (tests/unit/test_compat.py)'),
     ('deepspeed.utils.groups', None, '_release_process_group_references',
      'a second world in one process (tests/dist/test_runner_contract.py)'),
     ('deepspeed.runtime.zero.partition_parameters', 'Init', '_zero_init_param',
@@ -122,6 +125,18 @@ def release_process_group_references() -> None:
     """
     from deepspeed.utils import groups
     groups._release_process_group_references(group=None)
+
+
+def mark_op_unavailable(name: str) -> None:
+    """Make DeepSpeed treat its op ``name`` as one this machine cannot build.
+
+    DeepSpeed builds an op only where ``deepspeed.ops.__compatible_ops__`` (probed
+    once per process, then kept: DeepSpeed's comment says edits persist) says it
+    can; no public switch turns a JIT build off. Pinned by tests/unit/test_compat.py.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[name] = False
 
 
 # ZeRO-3 parameter attributes. DeepSpeed documents ``ds_shape`` / ``ds_numel`` /

@@ -24,6 +24,7 @@ from mmengine.logging import print_log
 
 from .compat import cpu_probes, release_process_group_references
 from .failure import rank_failed, stop_watching, watch_for_peer_failures
+from .ops import skip_inference_ops
 
 LAUNCHERS = ('none', 'pytorch', 'slurm', 'mpi')
 DEFAULT_TIMEOUT_S = 1800
@@ -140,6 +141,8 @@ def init_distributed(launcher: str, dist_cfg: Optional[Mapping[str, Any]] = None
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f'launcher={launcher!r} is not supported; use one of {LAUNCHERS}.')
+    if not cuda_available():
+        skip_inference_ops()  # before DeepSpeed's communication backend exists
     if torch_dist.is_initialized():
         return
     cfg = dict(dist_cfg or {})

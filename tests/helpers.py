@@ -33,7 +33,7 @@ IN_FEATURES = 8
 NUM_CLASSES = 4
 
 
-def test_env() -> dict[str, str]:
+def subprocess_env() -> dict[str, str]:
     """Environment for child processes: repo importable, one thread per rank."""
     env = dict(os.environ)
     env['PYTHONPATH'] = os.pathsep.join([REPO_ROOT, env.get('PYTHONPATH', '')])
@@ -95,7 +95,7 @@ def run_scenarios(run: Callable[[str, dict], None]) -> None:
 def run_command(cmd: Sequence[str], timeout: float = 240,
                 extra_env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own process group; kill the group if it outlives ``timeout``."""
-    env = test_env()
+    env = subprocess_env()
     env.update(extra_env or {})
     proc = subprocess.Popen(list(cmd), cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

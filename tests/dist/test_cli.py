@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO_ROOT, free_port, run_command, test_env
+from tests.helpers import REPO_ROOT, free_port, run_command, subprocess_env
 
 pytestmark = pytest.mark.dist
 
@@ -96,7 +96,7 @@ def _two_nodes(work: str, *extra: str) -> list[subprocess.CompletedProcess]:
          '--nproc_per_node=1', '--master_addr=127.0.0.1', f'--master_port={port}',
          osp.join(FIXTURES, 'tools_train.py'), CONFIG, '--launcher', 'pytorch',
          '--work-dir', work, *extra],
-        cwd=REPO_ROOT, env=test_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cwd=REPO_ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True) for rank in (0, 1)]
     results = []
     for proc in procs:

@@ -21,7 +21,7 @@ import torch
 from mmengine_deepspeed.checkpoint.layout import is_complete
 from mmengine_deepspeed.failure import PEER_FAILED_EXIT
 from tests.helpers import REPO_ROOT, free_port, run_command, run_torchrun
-from tests.helpers import test_env as child_env
+from tests.helpers import subprocess_env as child_env
 
 pytestmark = pytest.mark.dist
 

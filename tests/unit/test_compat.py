@@ -73,3 +73,23 @@ def test_a_loss_numbers_the_autograd_nodes_built_before_it() -> None:
     assert spans[0] == spans[1] == 4  # MulBackward, ReluBackward, MulBackward, SumBackward
     assert spans[2] == 3
     assert compat.autograd_sequence_number(torch.ones(2)) is None
+
+
+def test_an_op_marked_unavailable_is_not_built_by_deepspeeds_backend() -> None:
+    """dist.py marks DeepSpeed's CPU shared-memory all-reduce op unavailable before DeepSpeed
+    creates its communication backend: the backend then builds nothing (no 30 s JIT build
+    that training never uses). Without the mark this machine would build it."""
+    import importlib
+
+    import deepspeed.ops
+
+    ds_comm_torch = importlib.import_module('deepspeed.comm.torch')  # not deepspeed.comm.torch
+
+    compatible = deepspeed.ops.__compatible_ops__
+    before = compatible['deepspeed_shm_comm']
+    try:
+        compat.mark_op_unavailable('deepspeed_shm_comm')
+        assert deepspeed.ops.__compatible_ops__ is compatible  # kept, not probed again
+        assert ds_comm_torch.build_shm_op() is None
+    finally:
+        compatible['deepspeed_shm_comm'] = before
