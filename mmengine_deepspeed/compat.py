@@ -195,10 +195,16 @@ def save_with_checkpoint_hook(hook: Any, runner: Any, step: int, meta: dict) -> 
     hook._save_checkpoint_with_step(runner, step, meta)
 
 
+def randomness_cfg(runner: Any) -> dict:
+    """The runner's ``randomness`` settings (``Runner._randomness_cfg``, an instance
+    attribute set in ``Runner.__init__``; no public accessor)."""
+    return cast(dict, runner._randomness_cfg)
+
+
 def diff_rank_seed(runner: Any) -> bool:
     """``randomness.diff_rank_seed`` as the runner holds it (MMEngine's loops read it the same
     way to build their dataloader)."""
-    return bool(runner._randomness_cfg.get('diff_rank_seed', False))
+    return bool(randomness_cfg(runner).get('diff_rank_seed', False))
 
 
 @contextmanager

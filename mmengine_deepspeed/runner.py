@@ -32,9 +32,7 @@ from typing_extensions import override
 
 from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.data_order import resumable_loader
-from .checkpoint.loop import resumable_loop
 from .checkpoint.plan import ResumeKind
-from .checkpoint.runner_methods import CheckpointMethods
 from .checkpoint.state import rng_state, set_rng_state
 from .config.resolve import DsConfigSource
 from .dist import cuda_available, init_distributed
@@ -55,9 +53,11 @@ from .failure import failing_together
 from .hooks.ema import DeepSpeedEMAHook
 from .hooks.preemption import PreemptionHook
 from .hooks.runner_methods import HookMethods
+from .loops import resumable_loop
 from .message_hub import MessageHubMethods
 from .plan.planner import predicted_peak_mib, rss_mib
 from .quiet import quiet_deepspeed
+from .runner_checkpoint import CheckpointMethods
 from .zero.partitioned import build_advice, built_partitioned, gather_on_use
 
 
@@ -130,6 +130,7 @@ class DeepSpeedRunner(CheckpointMethods, HookMethods, MessageHubMethods):
             self.work_dir, resume=bool(arguments.get('resume', False)),
             load_from=arguments.get('load_from'),
             allow_unsafe=self.allow_unsafe_checkpoints, logger=self.logger)
+        self.attach_checkpointer()
         self.checkpointer.resume_after_restart()
 
     @property
@@ -238,7 +239,7 @@ class DeepSpeedRunner(CheckpointMethods, HookMethods, MessageHubMethods):
                     signals.enter_context(hook.catching_signals())
             # MMEngine's train() calls build_optim_wrapper once: that call builds the engines.
             self._engines_wanted = not self.engine_specs.built
-            self.checkpointer.plan(self._layout())  # resolved once, before anything loads
+            self.checkpointer.resolve_plan()  # once, before anything loads
             try:
                 return self._train()
             finally:
@@ -349,10 +350,11 @@ class DeepSpeedRunner(CheckpointMethods, HookMethods, MessageHubMethods):
             self.engine_specs, self.bare_model, optimizers, world_size=self.world_size,
             find_unused_parameters=self._find_unused_parameters, logger=self.logger,
             before_partitioning=self._before_partitioning)
+        self.attach_checkpointer()
 
     def _before_partitioning(self, specs: EngineSpecs) -> None:
         """What needs the model whole, between the optimizers and ``deepspeed.initialize``."""
-        plan = self.checkpointer.plan(self._layout())
+        plan = self.checkpointer.plan
         if plan.kind is ResumeKind.WEIGHTS and not self.checkpointer.weights_loaded:
             # Into the bare model, so DeepSpeed partitions (and keeps fp32 masters of) them.
             self.load_checkpoint(str(plan.path))
@@ -363,7 +365,7 @@ class DeepSpeedRunner(CheckpointMethods, HookMethods, MessageHubMethods):
             self.checkpointer.prepare_universal(specs)
 
     def _ensure_engine(self) -> None:
-        self.checkpointer.plan(self._layout())  # resolved once, before anything loads
+        self.checkpointer.resolve_plan()  # once, before anything loads
         if not self.engine_specs.built:
             self._build_engines({SINGLE_ENGINE: None})
 

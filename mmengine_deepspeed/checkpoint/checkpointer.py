@@ -16,15 +16,20 @@ import os
 import os.path as osp
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import deepspeed
 import mmengine
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..dist import cpu_group
 from ..engine.spec import EngineSpecs
 from ..version import __version__
+from ..zero.gather import gathered
 from .layout import (
     CLIENT_FILE,
     RANK_FILE,
@@ -37,6 +42,7 @@ from .layout import (
     find_latest_complete,
     shard_files,
 )
+from .load_weights import load_weights_into
 from .parts import Part
 from .plan import ResumeKind, ResumePlan, plan_for, resolve_plan
 from .reshard import Layout, check_reshardable, convert
@@ -46,6 +52,9 @@ from .state import plain
 from .weights import load_full_state_dict
 
 CallHook = Callable[..., None]
+# The run state beside the engines, in restore order (``parts.py``): given the meta to save
+# (None when restoring) and whether the param schedulers are saved.
+PartsOf = Callable[[Optional[dict], bool], list[Part]]
 
 
 def run_facts(specs: EngineSpecs, *, seed: Any, world_size: int,
@@ -59,8 +68,48 @@ def run_facts(specs: EngineSpecs, *, seed: Any, world_size: int,
                       torch=str(torch.__version__), mmengine_deepspeed=__version__))
 
 
+def agreed_path(path: str) -> str:
+    """Rank 0's ``path`` on every rank: a name built from a clock or a rank-local value
+    would otherwise send the ranks' shards to different directories (collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return path
+    chosen = [path]
+    dist.broadcast_object_list(chosen, src=0, group=cpu_group())
+    return str(chosen[0])
+
+
+@dataclass
+class Collaborators:
+    """What save and restore work on, given by the runner when it changes (the model
+    before its engines, then the engines built by ``train()`` / ``val()`` / ``test()``).
+
+    Args:
+        specs (EngineSpecs): The engines (built or not).
+        model (nn.Module): The user's whole model.
+        parts (PartsOf): The run state beside the engines.
+        call_hook (CallHook): The runner's ``call_hook`` (hooks add and read their keys).
+        world_size (int): Ranks in the run.
+        rank (int): This rank.
+        seed (Any): The run's seed, for the checkpoint's facts.
+        experiment_name (str): The run's name, for the checkpoint's facts.
+    """
+
+    specs: EngineSpecs
+    model: nn.Module
+    parts: PartsOf
+    call_hook: CallHook
+    world_size: int
+    rank: int
+    seed: Any
+    experiment_name: str
+
+
 class Checkpointer:
-    """What the runner resumes from, and its collective save and restore.
+    """What the run resumes from, and its collective save and restore.
+
+    Built with the run's settings, then :meth:`attach`-ed to what it saves; it never
+    sees the runner. The resume plan is resolved once, when ``train()`` / ``val()`` /
+    ``test()`` start (:meth:`resolve_plan`), and again only after a new resume request.
 
     Args:
         work_dir (str): Where checkpoints are (``resume=True`` looks there).
@@ -78,9 +127,20 @@ class Checkpointer:
         self._resume = resume
         self._load_from = load_from
         self._plan: Optional[ResumePlan] = None
+        self._with: Optional[Collaborators] = None
         self.weights_loaded = False  # weights are in the model (load_from, or a resume's)
         self.restored = False  # the plan's whole state was restored into the engines
         self._last_saved: Optional[tuple[str, int, int]] = None  # path, epoch, iter
+
+    def attach(self, collaborators: Collaborators) -> None:
+        """Save and restore from now on work on ``collaborators``."""
+        self._with = collaborators
+
+    @property
+    def _attached(self) -> Collaborators:
+        if self._with is None:
+            raise RuntimeError('Checkpointer.attach() must be called before saving or loading.')
+        return self._with
 
     def resume_after_restart(self) -> None:
         """After the elastic agent restarted the job (``--max-restarts``), resume by itself.
@@ -114,55 +174,93 @@ class Checkpointer:
         """Whether the run continues a checkpoint (not only loads weights)."""
         return self._resume
 
-    def plan(self, current: Layout) -> ResumePlan:
-        """The resume plan, resolved on first use (the start of train/val/test) and kept."""
+    def _layout(self) -> Layout:
+        return Layout(self._attached.world_size, self._attached.specs.zero_stage)
+
+    def resolve_plan(self) -> ResumePlan:
+        """The resume plan: resolved at its first call (the start of train/val/test, before
+        anything loads), then kept until a new resume request."""
         if self._plan is None:
             self._plan = resolve_plan(resume=self._resume, path=self._load_from,
-                                      work_dir=self.work_dir, current=current, logger=self.logger)
+                                      work_dir=self.work_dir, current=self._layout(),
+                                      logger=self.logger)
+        return self._plan
+
+    @property
+    def plan(self) -> ResumePlan:
+        """The plan :meth:`resolve_plan` resolved."""
+        if self._plan is None:
+            raise RuntimeError('The resume plan is resolved when train(), val() or test() '
+                               'starts; call resolve_plan() first.')
         return self._plan
 
     def prepare_universal(self, specs: EngineSpecs) -> None:
-        """Before the engines exist: configure them to load a universal checkpoint.
+        """Before the engines exist: configure ``specs`` to load a universal checkpoint.
 
         Refuses optimizers a universal checkpoint cannot carry before any
         work is done.
         """
-        plan = self._plan
-        if plan is None or plan.kind is not ResumeKind.UNIVERSAL:
+        plan = self.plan
+        if plan.kind is not ResumeKind.UNIVERSAL:
             return
         for spec in specs:
             check_reshardable(spec.optimizer, str(plan.path))
             spec.ds_config.setdefault('checkpoint', {})['load_universal'] = True
 
-    def save(self, path: str, *, specs: EngineSpecs, model: nn.Module, facts: dict[str, Any],
-             parts: Sequence[Part], call_hook: CallHook, weights_only: bool) -> None:
+    def load_weights(self, filename: str, *, strict: bool,
+                     revise_keys: Sequence[tuple[str, str]]) -> dict:
+        """Weights from ``filename`` into the model: the bare one before the engines, an
+        evaluation engine's gathered (ZeRO-3); refused once a training engine holds fp32
+        masters the weights would not reach."""
+        run = self._attached
+        if run.specs.training:
+            raise RuntimeError(
+                f'load_checkpoint({filename!r}) after the training engine was built would not '
+                'reach its fp32 master weights; set load_from (or resume) before train().')
+        built = run.specs.built
+        with gathered(run.model, modify=True) if built else nullcontext():
+            checkpoint = load_weights_into(
+                run.model, filename, strict=strict, revise_keys=list(revise_keys),
+                allow_unsafe=self.allow_unsafe, logger=self.logger, bare=not built)
+        run.call_hook('after_load_checkpoint', checkpoint=checkpoint)
+        self.weights_loaded = True
+        return checkpoint
+
+    def save(self, path: str, *, meta: dict[str, Any], weights_only: bool,
+             save_param_scheduler: bool = True) -> None:
         """Save the engines and every part into directory ``path`` (collective).
 
         Args:
-            path (str): The checkpoint directory.
-            specs (EngineSpecs): The engines (built or not).
-            model (nn.Module): The user's whole model.
-            facts (dict): JSON facts for ``meta.json`` (:func:`run_facts`).
-            parts (Sequence[Part]): The run state beside the engines.
-            call_hook (CallHook): The runner's ``call_hook``.
+            path (str): The checkpoint directory (rank 0's is used on every rank).
+            meta (dict): The meta to save, with the loop position (``epoch``,
+                ``iter``); the run's facts (:func:`run_facts`) are added.
             weights_only (bool): Consolidated weights in place of DeepSpeed's
                 shards (``weights.py``): no optimizer state.
+            save_param_scheduler (bool): Save the (built) param schedulers.
+                Defaults to True.
         """
-        facts = dict(facts)
-        if len(specs) > 1:
-            facts['engines'] = specs.modules()
+        run = self._attached
+        started = time.perf_counter()
+        path = agreed_path(path)
+        facts = run_facts(run.specs, seed=run.seed, world_size=run.world_size,
+                          experiment_name=run.experiment_name)
+        parts = run.parts(dict(meta, **facts), save_param_scheduler)
+        facts.update(epoch=meta['epoch'], iter=meta['iter'])
+        if len(run.specs) > 1:
+            facts['engines'] = run.specs.modules()
         client: dict[str, Any] = {}
         rank_state: dict[str, Any] = {}
         for part in parts:
             state = part.state_dict()
             if state is not None:
                 (rank_state if part.per_rank else client)[part.key] = state
-        call_hook('before_save_checkpoint', checkpoint=client)
-        save_checkpoint_dir(path, specs.engines(), model, plain(client), plain(rank_state),
-                            facts, weights_only=weights_only)
-        self._last_saved = (path, int(facts.get('epoch', -1)), int(facts.get('iter', -1)))
+        run.call_hook('before_save_checkpoint', checkpoint=client)
+        save_checkpoint_dir(path, run.specs.engines(), run.model, plain(client),
+                            plain(rank_state), facts, weights_only=weights_only)
+        self._last_saved = (path, int(facts['epoch']), int(facts['iter']))
+        self.logger.info(f'Checkpoint {path} saved in {time.perf_counter() - started:.1f} s.')
 
-    def after_validation(self, epoch: int, iteration: int, parts: Sequence[Part]) -> None:
+    def after_validation(self, epoch: int, iteration: int) -> None:
         """Rewrite this rank's own state in the checkpoint saved at this loop position, if any.
 
         A validation inside training runs right after the checkpoint of its
@@ -180,38 +278,40 @@ class Checkpointer:
                 or not osp.isdir(self._last_saved[0]):
             return
         write_rank_state(self._last_saved[0], plain(
-            {part.key: state for part in parts
+            {part.key: state for part in self._attached.parts(None, True)
              if part.per_rank and (state := part.state_dict()) is not None}))
 
-    def restore(self, path: str, *, specs: EngineSpecs, model: nn.Module, world_size: int,
-                rank: int, parts: Sequence[Part], call_hook: CallHook) -> dict[str, Any]:
+    def restore(self, path: str) -> dict[str, Any]:
         """Restore the engines and every part from ``path`` (collective).
 
         Returns:
             dict: The checkpoint's client state (as hooks saw it when saving).
         """
-        plan = plan_for(path, Layout(world_size, specs.zero_stage))
+        run = self._attached
+        started = time.perf_counter()
+        plan = plan_for(path, self._layout())
         meta = check_checkpoint(path)
         check_pickles([*shard_files(path), osp.join(path, CLIENT_FILE)], self.allow_unsafe)
         client = safe_load(osp.join(path, CLIENT_FILE), self.allow_unsafe)
         if plan.kind is ResumeKind.WEIGHTS_ONLY:
-            self._load_weights_only(path, specs, model)
+            self._load_weights_only(path)
         else:
-            self._load_engines(path, meta, specs, world_size, plan.kind is ResumeKind.UNIVERSAL)
+            self._load_engines(path, meta, plan.kind is ResumeKind.UNIVERSAL)
         # On another world size, rank r takes the RNG and buffers of rank r mod N.
-        rank_file = osp.join(path, RANK_FILE.format(rank=rank % meta['world_size']))
+        rank_file = osp.join(path, RANK_FILE.format(rank=run.rank % meta['world_size']))
         rank_state = safe_load(rank_file, self.allow_unsafe)
-        for part in parts:
+        for part in run.parts(None, True):
             saved = (rank_state if part.per_rank else client).get(part.key)
             if saved is not None:
                 part.load_state_dict(saved)
-        call_hook('after_load_checkpoint', checkpoint=client)
+        run.call_hook('after_load_checkpoint', checkpoint=client)
         self.weights_loaded = self.restored = True
+        self.logger.info(f'Checkpoint {path} restored in {time.perf_counter() - started:.1f} s.')
         return client
 
-    def _load_engines(self, path: str, meta: dict[str, Any], specs: EngineSpecs,
-                      world_size: int, universal: bool) -> None:
+    def _load_engines(self, path: str, meta: dict[str, Any], universal: bool) -> None:
         """DeepSpeed's shards into the engines, resharded if the layout changed."""
+        specs = self._attached.specs
         saved_modules = engine_modules(meta)
         if saved_modules != specs.modules():
             raise CheckpointError(
@@ -219,7 +319,7 @@ class Checkpointer:
                 f'builds {specs.modules()}. Resume with the optim_wrapper keys the checkpoint '
                 'was trained with, or start from its weights with load_from and resume=False.')
         saved = Layout(meta['world_size'], meta['zero_stage'])
-        current = Layout(world_size, specs.zero_stage)
+        current = self._layout()
         if universal:
             self.logger.info(f'Resharding {path}: {saved} -> {current}, through a DeepSpeed '
                              'universal checkpoint (converted once, kept beside it).')
@@ -235,10 +335,12 @@ class Checkpointer:
             if load_path is None:
                 raise CheckpointError(f'DeepSpeed could not load {osp.join(path, tag)}.')
 
-    def _load_weights_only(self, path: str, specs: EngineSpecs, model: nn.Module) -> None:
+    def _load_weights_only(self, path: str) -> None:
         """A weights-only checkpoint's weights into the engines, fp32 masters included."""
+        run = self._attached
         state = safe_load(osp.join(path, WEIGHTS_FILE), self.allow_unsafe)[STATE_DICT_KEY]
-        load_full_state_dict(model, [e.optimizer for e in specs.engines().values()], state, path)
+        load_full_state_dict(run.model, [e.optimizer for e in run.specs.engines().values()],
+                             state, path)
         self.logger.warning(
             f'{path} holds no optimizer state (saved with save_optimizer=False, or before '
             "train() built the optimizer): its weights, loop position, param schedulers and RNG "

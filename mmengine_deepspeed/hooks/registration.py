@@ -19,11 +19,11 @@ from mmengine.hooks import CheckpointHook, EMAHook, Hook
 from mmengine.registry import HOOKS
 from mmengine.runner.priority import Priority, get_priority
 
-from ..checkpoint.loop import StreamsAfterValidationHook
 from .checkpoint import DeepSpeedCheckpointHook  # noqa: F401  registers it
 from .ema import DeepSpeedEMAHook  # noqa: F401  registers it
 from .monitor import ThroughputHook
 from .preemption import PreemptionHook  # noqa: F401  registers it
+from .streams import StreamsAfterValidationHook
 
 # The default_hooks key that configures the PreemptionHook (None: no hook).
 PREEMPTION_KEY = 'preemption'

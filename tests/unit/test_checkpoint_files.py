@@ -424,7 +424,7 @@ def test_a_remote_checkpoint_backend_is_refused_by_name(key: str, args: dict) ->
     """Local ones (``'local'``, FileClient's ``'disk'``) are accepted
     (tests/dist/test_checkpoint_hook.py saves with one); remote ones fail before anything
     is written."""
-    from mmengine_deepspeed.checkpoint.runner_methods import CheckpointMethods
+    from mmengine_deepspeed.runner_checkpoint import CheckpointMethods
 
     with pytest.raises(ValueError, match=rf"CheckpointHook {key}=.* names a remote storage "
                                          rf"backend.*remove {key}"):

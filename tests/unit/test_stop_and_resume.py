@@ -33,7 +33,6 @@ from mmengine_deepspeed.checkpoint.data_order import (
     seed_workers,
     stream_seed,
 )
-from mmengine_deepspeed.checkpoint.loop import EpochIterator
 from mmengine_deepspeed.compat import InfiniteDataloaderIterator
 from mmengine_deepspeed.failure import is_failure
 from mmengine_deepspeed.hooks.agreement import agreement_of
@@ -44,6 +43,7 @@ from mmengine_deepspeed.hooks.registration import (
     deepspeed_default_hooks,
     in_priority_order,
 )
+from mmengine_deepspeed.loops import EpochIterator
 from tests.helpers import ToyDataset  # noqa: F401  registers it
 
 

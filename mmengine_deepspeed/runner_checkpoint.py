@@ -3,27 +3,25 @@
 ``save_checkpoint``, ``resume``, ``load_or_resume`` and ``load_checkpoint``
 keep MMEngine's signatures and meaning; what differs is that every rank takes
 part (a checkpoint is a directory of DeepSpeed shards plus our client state)
-and that loading never unpickles untrusted files by default. Each method
-hands over to the runner's :class:`Checkpointer` with what it needs (the
-engines, the model, the parts); the runner provides those.
+and that loading never unpickles untrusted files by default. Each method is a
+thin delegation to the runner's :class:`Checkpointer` (``checkpoint/``), which
+never sees the runner: what it works on is attached here
+(:meth:`CheckpointMethods.attach_checkpointer`), the run state beside the
+engines as named parts (:meth:`CheckpointMethods.checkpoint_parts`).
 """
 from __future__ import annotations
 
 import os.path as osp
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import Any, Optional
 
 from mmengine.runner import EpochBasedTrainLoop, Runner
 from torch import nn
 from typing_extensions import override
 
-from ..engine.spec import EngineSpecs
-from ..zero.gather import gathered
-from .checkpointer import Checkpointer, run_facts
-from .layout import CheckpointError
-from .load_weights import load_weights_into
-from .parts import (
+from .checkpoint.checkpointer import Checkpointer, Collaborators
+from .checkpoint.layout import CheckpointError
+from .checkpoint.parts import (
     IteratorStreamsPart,
     LoopPart,
     MessageHubPart,
@@ -34,9 +32,10 @@ from .parts import (
     SchedulersPart,
     named_wrappers,
 )
-from .reshard import Layout
-from .save import save_failure
-from .state import plain
+from .checkpoint.save import save_failure
+from .checkpoint.state import plain
+from .compat import randomness_cfg
+from .engine.spec import EngineSpecs
 
 # MMEngine's names for the local disk (FileClient's 'disk', the file backends' 'local').
 LOCAL_BACKENDS = ('local', 'disk')
@@ -52,6 +51,14 @@ class CheckpointMethods(Runner):
     def bare_model(self) -> nn.Module:
         """The user's model; the runner defines it."""
         raise NotImplementedError
+
+    def attach_checkpointer(self) -> None:
+        """Give the checkpointer what it saves and restores: the engines as they are now
+        (before any, or once ``train()`` / ``val()`` / ``test()`` built them)."""
+        self.checkpointer.attach(Collaborators(
+            specs=self.engine_specs, model=self.bare_model, parts=self.checkpoint_parts,
+            call_hook=self.call_hook, world_size=self.world_size, rank=self.rank,
+            seed=self.seed, experiment_name=self.experiment_name))
 
     def checkpoint_parts(self, meta: Optional[dict] = None,
                          save_param_scheduler: bool = True) -> list[Part]:
@@ -82,9 +89,6 @@ class CheckpointMethods(Runner):
         dataset = getattr(getattr(self.train_loop, 'dataloader', None), 'dataset', None)
         return plain(getattr(dataset, 'metainfo', None))
 
-    def _layout(self) -> Layout:
-        return Layout(self.world_size, self.engine_specs.zero_stage)
-
     @override
     def load_checkpoint(self, filename: str, map_location: Any = 'cpu', strict: bool = False,
                         revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)) -> dict:
@@ -108,19 +112,7 @@ class CheckpointMethods(Runner):
         Returns:
             dict: ``{'meta': ..., 'state_dict': ...}``.
         """
-        if self.engine_specs.training:
-            raise RuntimeError(
-                f'load_checkpoint({filename!r}) after the training engine was built would not '
-                'reach its fp32 master weights; set load_from (or resume) before train().')
-        built = self.engine_specs.built
-        model = self.bare_model
-        with gathered(model, modify=True) if built else nullcontext():
-            checkpoint = load_weights_into(
-                model, filename, strict=strict, revise_keys=list(revise_keys),
-                allow_unsafe=self.checkpointer.allow_unsafe, logger=self.logger, bare=not built)
-        self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
-        self.checkpointer.weights_loaded = True
-        return checkpoint
+        return self.checkpointer.load_weights(filename, strict=strict, revise_keys=revise_keys)
 
     @override
     def save_checkpoint(self, out_dir: str, filename: str,
@@ -153,16 +145,11 @@ class CheckpointMethods(Runner):
         meta = dict(meta or {})
         meta.setdefault('epoch', epoch + 1 if by_epoch else epoch)
         meta.setdefault('iter', iteration if by_epoch else iteration + 1)
-        facts = run_facts(self.engine_specs, seed=self.seed, world_size=self.world_size,
-                          experiment_name=self.experiment_name)
         path = osp.join(out_dir, filename)
         try:
-            meta = dict(meta, **facts, cfg=self.cfg.pretty_text, dataset_meta=self._dataset_meta())
             self.checkpointer.save(
-                path, specs=self.engine_specs, model=self.bare_model,
-                facts=dict(facts, epoch=meta['epoch'], iter=meta['iter']),
-                parts=self.checkpoint_parts(meta, save_param_scheduler),
-                call_hook=self.call_hook, weights_only=weights_only)
+                path, meta=dict(meta, cfg=self.cfg.pretty_text, dataset_meta=self._dataset_meta()),
+                weights_only=weights_only, save_param_scheduler=save_param_scheduler)
         except Exception as e:  # any failure: one message that says what to do
             message = save_failure(path, e, self.work_dir)
             if self.rank == 0:
@@ -192,14 +179,12 @@ class CheckpointMethods(Runner):
             self.logger.info(f'Weights loaded from {filename}; its optimizer state, schedulers '
                              'and loop position are restored when train() builds the engines.')
             return
-        client = self.checkpointer.restore(
-            filename, specs=self.engine_specs, model=self.bare_model,
-            world_size=self.world_size, rank=self.rank, parts=self.checkpoint_parts(),
-            call_hook=self.call_hook)
+        client = self.checkpointer.restore(filename)
         resumed_seed = client['meta'].get('seed')
-        if resumed_seed is not None and resumed_seed != self._randomness_cfg.get('seed'):
+        configured_seed = randomness_cfg(self).get('seed')
+        if resumed_seed is not None and resumed_seed != configured_seed:
             self.logger.warning(f'Resumed seed {resumed_seed} differs from the config seed '
-                                f'{self._randomness_cfg.get("seed")}; the checkpoint\'s is kept.')
+                                f'{configured_seed}; the checkpoint\'s is kept.')
         self.logger.info(f'Resumed from {filename}: epoch {self.epoch}, iter {self.iter}')
 
     @override
@@ -211,11 +196,10 @@ class CheckpointMethods(Runner):
         them (``val()``/``test()``), loads its weights. Incomplete checkpoint
         directories (a save that was killed) are skipped with a warning.
         """
-        plan = self.checkpointer.plan(self._layout())
+        plan = self.checkpointer.resolve_plan()
         if not plan.resumes or self.checkpointer.restored:
             return
-        assert plan.path is not None
-        if self.engine_specs.training:
-            self.resume(plan.path)
-        elif not self.checkpointer.weights_loaded:
-            self.resume(plan.path)  # the weights now, the rest when train() builds the engines
+        # Into the training engines; before them (val()/test()) the weights now and the
+        # rest when train() builds the engines, unless the weights are in already.
+        if self.engine_specs.training or not self.checkpointer.weights_loaded:
+            self.resume(str(plan.path))

@@ -19,8 +19,8 @@ run did (``data_order.create_iterator``).
 Validation inside training draws from the training's streams, as with Runner.
 A checkpoint is taken just before such a validation, so each rank rewrites its
 streams in that checkpoint once the validation is over
-(:class:`StreamsAfterValidationHook`): a run resumed from it goes on from the
-streams the run that never stopped went on from.
+(``hooks/streams.py``): a run resumed from it goes on from the streams the run
+that never stopped went on from.
 """
 from __future__ import annotations
 
@@ -28,15 +28,14 @@ import time
 from typing import Any, Optional, cast
 
 from mmengine.dataset import InfiniteSampler
-from mmengine.hooks import Hook
-from mmengine.registry import HOOKS, LOOPS
+from mmengine.registry import LOOPS
 from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from ..compat import InfiniteDataloaderIterator, diff_rank_seed
-from .data_order import ResumableSampler, create_iterator, make_resumable
-from .state import rng_state
+from .checkpoint.data_order import ResumableSampler, create_iterator, make_resumable
+from .checkpoint.state import rng_state
+from .compat import InfiniteDataloaderIterator, diff_rank_seed
 
 
 def resumable_loop(loop: Any) -> Any:
@@ -242,33 +241,3 @@ class ResumableIterBasedTrainLoop(IterBasedTrainLoop):
         iterator.fast_forward(self._iter)
         if self._iter:
             _log_skip(self.runner, self._iter, '', iterator.sampler is not None)
-
-
-@HOOKS.register_module()
-class StreamsAfterValidationHook(Hook):
-    """A checkpoint taken just before a validation in training gets the streams after it.
-
-    Validation draws from the training's random streams (as with Runner); a
-    run resumed from the checkpoint saved at that iteration must go on from
-    the streams the validation left, as the run that never stopped did. Each
-    rank rewrites its per-rank state in that checkpoint (``Checkpointer``).
-    """
-
-    priority = 'LOWEST'
-
-    def __init__(self) -> None:
-        self._training = False
-
-    @override
-    def before_train(self, runner: Any) -> None:
-        self._training = True
-
-    @override
-    def after_train(self, runner: Any) -> None:
-        self._training = False
-
-    @override
-    def after_val(self, runner: Any) -> None:
-        if self._training:
-            runner.checkpointer.after_validation(runner.epoch, runner.iter,
-                                                runner.checkpoint_parts())
