@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from mmengine.config import Config, DictAction
+from mmengine.config import DictAction
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,81 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_train_config(config: str, work_dir: Optional[str], launcher: str, cfg_options: dict,
-                      resume: Optional[str] = None, zero: Optional[int] = None,
-                      ds_config: Optional[str] = None) -> Config:
-    """The config ``train`` runs: the file plus the command-line overrides."""
-    from .config.resolve import load_ds_config
-
-    if not osp.isfile(config):
-        raise FileNotFoundError(f'config file not found: {config!r}')
-    cfg = Config.fromfile(config)
-    cfg.merge_from_dict(cfg_options)
-    cfg.launcher = launcher
-    if work_dir is not None:
-        cfg.work_dir = work_dir
-    elif cfg.get('work_dir') is None:
-        cfg.work_dir = osp.join('work_dirs', osp.splitext(osp.basename(config))[0])
-    cfg.setdefault('runner_type', 'DeepSpeedRunner')
-    if ds_config is not None:
-        cfg.ds_config = osp.abspath(ds_config)
-    if zero is not None:
-        resolved = load_ds_config(cfg.get('ds_config'), osp.dirname(osp.abspath(config)))
-        resolved.setdefault('zero_optimization', {})['stage'] = zero
-        cfg.ds_config = resolved
-    if resume is not None:
-        cfg.resume = True
-        cfg.load_from = None if resume == 'auto' else resume
-    return cfg
-
-
-def run_training(config: str, work_dir: Optional[str], launcher: str, cfg_options: dict,
-                 resume: Optional[str] = None, zero: Optional[int] = None,
-                 ds_config: Optional[str] = None, console_log: Optional[str] = None) -> str:
-    """Build the runner the config asks for (DeepSpeedRunner by default) and train.
-
-    Module-level, so that ``--nproc`` can hand it to each process. With
-    ``console_log`` (the demo) everything this process prints goes to that
-    file, and rank 0 draws the demo's progress bar on the console instead.
-
-    Returns:
-        str: The work directory.
-    """
-    if console_log is not None:
-        from .demo.console import captured
-
-        with captured(console_log, show_progress=int(os.environ.get('RANK', '0')) == 0):
-            return run_training(config, work_dir, launcher, cfg_options, resume, zero, ds_config)
-    from mmengine.registry import RUNNERS
-
-    import mmengine_deepspeed  # noqa: F401  registers DeepSpeedRunner
-
-    cfg = load_train_config(config, work_dir, launcher, cfg_options, resume, zero, ds_config)
-    runner = RUNNERS.build(cfg)  # type: ignore[arg-type]  # a Config, as MMEngine's tools pass
-    if runner.rank == 0:
-        print(f'mmengine-deepspeed: logs in {runner.log_dir}, checkpoints in {runner.work_dir}',
-              flush=True)
-    runner.train()
-    return str(runner.work_dir)
-
-
 def train(args: argparse.Namespace) -> str:
     """``train``: in this process, or in ``--nproc`` new ones."""
-    if args.nproc < 1 or args.max_restarts < 0:
-        raise ValueError(f'--nproc {args.nproc} --max-restarts {args.max_restarts}: give at '
-                         'least 1 process and 0 or more restarts.')
-    call = (args.config, args.work_dir, args.launcher, args.cfg_options, args.resume, args.zero,
-            args.ds_config, getattr(args, 'console_log', None))
-    if args.nproc == 1 and args.max_restarts == 0:
-        return run_training(*call)
-    if args.launcher != 'none':
-        raise ValueError(f'--nproc {args.nproc} / --max-restarts start the processes here; drop '
-                         f'--launcher {args.launcher} (or use that launcher\'s own restarts).')
-    from .launch import launch_local
+    from .training import train_config
 
-    results = launch_local(run_training, args.nproc, *call[:2], 'pytorch', *call[3:],
-                           max_restarts=args.max_restarts)
-    return str(results[0])
+    return train_config(args.config, nproc=args.nproc, work_dir=args.work_dir,
+                        launcher=args.launcher, cfg_options=args.cfg_options, resume=args.resume,
+                        zero=args.zero, ds_config=args.ds_config,
+                        max_restarts=args.max_restarts)
 
 
 def describe(path: str) -> str:
@@ -199,6 +132,7 @@ def print_plan(args: argparse.Namespace) -> Any:
     from .config.resolve import DsConfigError
     from .plan.planner import make_plan
     from .plan.report import plan_text
+    from .training import load_train_config
     from .zero.partitioned import construction_failure
 
     cfg = load_train_config(args.config, None, 'none', args.cfg_options, zero=args.zero,

@@ -8,9 +8,10 @@ validation loss and the unigram baseline it must beat.
 """
 from __future__ import annotations
 
+import os
 import os.path as osp
 import time
-from typing import Any
+from typing import Any, Optional
 
 from mmengine.config import Config
 
@@ -38,6 +39,17 @@ def demo_overrides(max_iters: int) -> dict[str, Any]:
     }
 
 
+def train_logged(config: str, work_dir: Optional[str], launcher: str, cfg_options: dict,
+                 resume: Optional[str], zero: Optional[int], ds_config: Optional[str],
+                 console_log: str) -> str:
+    """``training.run_training`` with everything this process prints in ``console_log``;
+    rank 0 draws the progress bar on the console instead (module-level: it is pickled)."""
+    from ..training import run_training
+
+    with captured(console_log, show_progress=int(os.environ.get('RANK', '0')) == 0):
+        return run_training(config, work_dir, launcher, cfg_options, resume, zero, ds_config)
+
+
 def run_demo(nproc: int = 2, zero: int = 3, max_iters: int = 300,
              work_dir: str = 'work_dirs/demo') -> dict[str, Any]:
     """Run the demo and print what it did.
@@ -51,10 +63,8 @@ def run_demo(nproc: int = 2, zero: int = 3, max_iters: int = 300,
     Returns:
         dict: Validation loss, baseline, paths, sample and wall time.
     """
-    import argparse
-
-    from ..cli import train
     from ..dist import native_bf16
+    from ..training import train_config
 
     start = time.perf_counter()
     console_log = osp.join(work_dir, 'console.log')
@@ -63,10 +73,8 @@ def run_demo(nproc: int = 2, zero: int = 3, max_iters: int = 300,
     print(f'mmengine-deepspeed demo: a tiny GPT on the Python standard library, {max_iters} '
           f'iterations, ZeRO-{zero}, {nproc} processes, {precision}; full logs in '
           f'{console_log}', flush=True)
-    args = argparse.Namespace(config=CONFIG, nproc=nproc, work_dir=work_dir, launcher='none',
-                              cfg_options=demo_overrides(max_iters), resume=None, zero=zero,
-                              ds_config=None, console_log=console_log, max_restarts=0)
-    train(args)
+    train_config(CONFIG, nproc=nproc, work_dir=work_dir, cfg_options=demo_overrides(max_iters),
+                 zero=zero, entrypoint=train_logged, extra=(console_log,))
     trained = time.perf_counter() - start
     with captured(console_log, show_progress=False) as console:
         summary = _after_training(work_dir)

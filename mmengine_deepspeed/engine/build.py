@@ -33,9 +33,9 @@ from torch.utils.hooks import RemovableHandle
 from ..config.model_settings import fit_to_model
 from ..config.resolve import zero_stage
 from ..dist import cuda_available
-from ..hooks.monitor import banner, precision_note
 from ..zero.unused_params import untrace_parameterless_modules, zero3_unsupported
 from ..zero.zero_dim import engine_config, initializable
+from .banner import banner, precision_note
 from .offload import cpu_optimizer
 from .optim_wrapper import DeepSpeedOptimWrapper
 from .spec import SINGLE_ENGINE, EngineSpecs

@@ -55,20 +55,6 @@ def test_throughput_hook_measures_peak_memory_when_logged(hooks: list, interval:
         ThroughputHook(interval=0)
 
 
-def test_emulated_bf16_is_named_with_its_cost_and_the_fix(monkeypatch: Any) -> None:
-    """The CPU probe is replaced: this machine's CPU may compute bf16 natively."""
-    import mmengine_deepspeed.hooks.monitor as monitor
-
-    monkeypatch.setattr(monitor, 'native_bf16', lambda: False)
-    note = monitor.precision_note(True, 'bf16', on_cuda=False)
-    assert note is not None and 'emulated' in note and '"auto"' in note and 'slower' in note
-    assert 'training in fp32' in str(monitor.precision_note('auto', 'fp32', on_cuda=False))
-    assert monitor.precision_note(False, 'fp32', on_cuda=False) is None
-    assert monitor.precision_note(True, 'bf16', on_cuda=True) is None
-    monkeypatch.setattr(monitor, 'native_bf16', lambda: True)
-    assert monitor.precision_note(True, 'bf16', on_cuda=False) is None
-
-
 def _said_after(runner: Any, iterations: int = 12, step: Any = None) -> list[str]:
     """What ThroughputHook logs over ``iterations``; ``step`` runs between its hooks."""
     from mmengine_deepspeed.hooks.monitor import ThroughputHook
