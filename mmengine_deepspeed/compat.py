@@ -46,6 +46,10 @@ PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
     ('mmengine.runner.loops', None, '_InfiniteDataloaderIterator',
      'subclassed: the iteration loop\'s iterator keeps MMEngine\'s type '
      '(tests/unit/test_stop_and_resume.py)'),
+    ('mmengine.hooks', 'EMAHook', '_ema_started',
+     'whether EMA averaging began (tests/dist/test_checkpoint.py EMA cases)'),
+    ('mmengine.runner', 'Runner', '_init_model_weights',
+     'overridden: init_weights() runs before the engines (tests/unit/test_runner.py)'),
     ('mmengine.hooks', 'EMAHook', '_swap_ema_parameters',
      'overridden: swapping gathered ZeRO-3 weights (tests/dist/test_checkpoint.py EMA cases)'),
     ('mmengine.logging', 'MessageHub', '_instance_dict',
@@ -167,6 +171,33 @@ def local_partition(param: torch.Tensor) -> Optional[torch.Tensor]:
     return getattr(param, 'ds_tensor', None)
 
 
+def is_released(param: Any) -> bool:
+    """Whether a ZeRO-3 parameter is released (only its partition held): ``ds_status``."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return getattr(param, 'ds_status', None) == ZeroParamStatus.NOT_AVAILABLE
+
+
+def partition_group(param: torch.Tensor) -> Any:
+    """The process group a ZeRO-3 parameter is partitioned over (``ds_process_group``;
+    None for the default group)."""
+    return getattr(param, 'ds_process_group', None)
+
+
+# DeepSpeed's engine skips its initial broadcast for parameters with this attribute (its
+# ``_broadcast_model`` tests it); 0-dim parameters are broadcast by us instead
+# (tests/dist/test_partitioned.py).
+SKIP_BROADCAST_MARK = 'ds_optim_param'
+
+
+def skip_engine_broadcast(param: torch.Tensor, skip: bool) -> None:
+    """Mark (or unmark) ``param`` for DeepSpeed's engine not to broadcast it at build."""
+    if skip:
+        setattr(param, SKIP_BROADCAST_MARK, True)
+    elif hasattr(param, SKIP_BROADCAST_MARK):
+        delattr(param, SKIP_BROADCAST_MARK)
+
+
 def has_separate_master(param: torch.Tensor) -> bool:
     """Whether DeepSpeed keeps an fp32 master of ``param`` apart from it.
 
@@ -186,6 +217,25 @@ InfiniteDataloaderIterator = _InfiniteDataloaderIterator
 def accumulative_counts(wrapper: Any) -> int:
     """An ``OptimWrapper``'s ``accumulative_counts`` (stored, but not exposed)."""
     return int(wrapper._accumulative_counts)
+
+
+def count_backward(wrapper: Any) -> None:
+    """Count one backward as MMEngine's ``OptimWrapper.backward`` does (``_inner_count``,
+    an instance attribute its accumulation boundaries read; no public counter). Pinned by
+    tests/unit/test_compat.py."""
+    wrapper._inner_count += 1
+
+
+def ema_started(hook: Any, runner: Any) -> bool:
+    """Whether MMEngine's ``EMAHook`` has begun averaging (its ``begin_iter`` /
+    ``begin_epoch``; ``EMAHook._ema_started``, no public one)."""
+    return bool(hook._ema_started(runner))
+
+
+def set_experiment_name(runner: Any, name: str) -> None:
+    """Set ``Runner.experiment_name`` (read-only property over ``_experiment_name``),
+    before the logger and message hub take it."""
+    runner._experiment_name = name
 
 
 def save_with_checkpoint_hook(hook: Any, runner: Any, step: int, meta: dict) -> None:

@@ -35,7 +35,7 @@ from typing_extensions import override
 
 from .checkpoint.data_order import ResumableSampler, create_iterator, make_resumable
 from .checkpoint.state import rng_state
-from .compat import InfiniteDataloaderIterator, diff_rank_seed
+from .compat import InfiniteDataloaderIterator, diff_rank_seed, set_loop_position
 
 
 def resumable_loop(loop: Any) -> Any:
@@ -77,11 +77,11 @@ class ResumableEpochBasedTrainLoop(EpochBasedTrainLoop):
     def skip_trained_batches(self) -> None:
         """Arrange to skip the batches of the current epoch already trained on.
 
-        Called after the loop's ``_epoch`` / ``_iter`` were restored.
+        Called after the loop's epoch and iteration were restored.
         """
-        self._skip_batches = self._iter - self._epoch * len(self.dataloader)
+        self._skip_batches = self.iter - self.epoch * len(self.dataloader)
         if self._skip_batches:
-            _log_skip(self.runner, self._skip_batches, f'of epoch {self._epoch + 1} ',
+            _log_skip(self.runner, self._skip_batches, f'of epoch {self.epoch + 1} ',
                       self._sampler is not None)
 
     @override
@@ -90,7 +90,7 @@ class ResumableEpochBasedTrainLoop(EpochBasedTrainLoop):
         had not seen, through an iterator created from the streams the epoch's was."""
         skip, self._skip_batches = self._skip_batches, 0
         if self._sampler is not None:
-            self._sampler.begin(self._epoch, skip * int(self.dataloader.batch_size or 1))
+            self._sampler.begin(self.epoch, skip * int(self.dataloader.batch_size or 1))
         self.runner.call_hook('before_train_epoch')
         self.runner.model.train()
         iterator, self.iterator_streams = create_iterator(
@@ -99,7 +99,7 @@ class ResumableEpochBasedTrainLoop(EpochBasedTrainLoop):
             if idx >= skip:  # a custom batch_sampler: its skipped batches are loaded, dropped
                 self.run_iter(idx, data_batch)
         self.runner.call_hook('after_train_epoch')
-        self._epoch += 1
+        set_loop_position(self, self.epoch + 1, self.iter)
 
 
 def _log_skip(runner: Any, batches: int, where: str, at_sampler: bool) -> None:
@@ -238,6 +238,6 @@ class ResumableIterBasedTrainLoop(IterBasedTrainLoop):
     def skip_trained_batches(self) -> None:
         """Arrange for ``run()``'s fast-forward over the trained iterations to load nothing."""
         iterator = self.dataloader_iterator
-        iterator.fast_forward(self._iter)
-        if self._iter:
-            _log_skip(self.runner, self._iter, '', iterator.sampler is not None)
+        iterator.fast_forward(self.iter)
+        if self.iter:
+            _log_skip(self.runner, self.iter, '', iterator.sampler is not None)

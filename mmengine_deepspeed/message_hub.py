@@ -21,7 +21,7 @@ from mmengine.logging import HistoryBuffer, MessageHub, MMLogger
 from mmengine.runner import Runner
 from typing_extensions import override
 
-from .compat import register_message_hub
+from .compat import register_message_hub, set_experiment_name
 
 # Read anyway after this many values: a run whose hub nobody reads keeps no more.
 MAX_PENDING = 10_000
@@ -120,11 +120,11 @@ class MessageHubMethods(Runner):
         scores, warnings). A suffix (``_2``...) keeps them apart; every rank
         builds the same runners, so every rank picks the same name.
         """
-        base, count = self._experiment_name, 1
-        while MMLogger.check_instance_created(self._experiment_name) \
-                or MessageHub.check_instance_created(self._experiment_name):
+        base, count = self.experiment_name, 1
+        while MMLogger.check_instance_created(self.experiment_name) \
+                or MessageHub.check_instance_created(self.experiment_name):
             count += 1
-            self._experiment_name = f'{base}_{count}'
+            set_experiment_name(self, f'{base}_{count}')
         return super().build_logger(log_level=log_level, log_file=log_file, **kwargs)
 
     @override

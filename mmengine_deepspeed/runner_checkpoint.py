@@ -20,7 +20,7 @@ from torch import nn
 from typing_extensions import override
 
 from .checkpoint.checkpointer import Checkpointer, Collaborators
-from .checkpoint.layout import CheckpointError
+from .checkpoint.layout import META_KEY, CheckpointError
 from .checkpoint.parts import (
     IteratorStreamsPart,
     LoopPart,
@@ -180,7 +180,7 @@ class CheckpointMethods(Runner):
                              'and loop position are restored when train() builds the engines.')
             return
         client = self.checkpointer.restore(filename)
-        resumed_seed = client['meta'].get('seed')
+        resumed_seed = client[META_KEY].get('seed')
         configured_seed = randomness_cfg(self).get('seed')
         if resumed_seed is not None and resumed_seed != configured_seed:
             self.logger.warning(f'Resumed seed {resumed_seed} differs from the config seed '

@@ -18,10 +18,17 @@ from typing import Any, Optional
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+from ..config.resolve import DTYPES
 from .layout import (
     CLIENT_FILE,
+    EMA_KEY,
+    MESSAGE_HUB_KEY,
+    META_KEY,
     OUTSIDE_ENGINES_KEY,
+    PARAM_SCHEDULERS_KEY,
+    STATE_DICT_KEY,
     WEIGHTS_FILE,
+    ZERO0_MODEL_FILE,
     CheckpointError,
     check_checkpoint,
     engine_modules,
@@ -30,9 +37,6 @@ from .layout import (
     shard_files,
 )
 from .safe_load import check_pickles, safe_load
-
-DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
-ZERO0_MODEL_FILE = 'mp_rank_00_model_states.pt'
 
 
 def consolidated_state_dict(path: str, allow_unsafe: bool = False) -> dict[str, torch.Tensor]:
@@ -52,7 +56,7 @@ def consolidated_state_dict(path: str, allow_unsafe: bool = False) -> dict[str, 
     meta = check_checkpoint(path)
     check_pickles(shard_files(path), allow_unsafe)
     if not has_optimizer_state(meta):
-        return dict(safe_load(osp.join(path, WEIGHTS_FILE), allow_unsafe)['state_dict'])
+        return dict(safe_load(osp.join(path, WEIGHTS_FILE), allow_unsafe)[STATE_DICT_KEY])
     modules = engine_modules(meta)
     state: dict[str, torch.Tensor] = {}
     for name, module_path in modules.items():
@@ -114,7 +118,7 @@ def ema_state_dict(path: str, allow_unsafe: bool = False) -> dict[str, torch.Ten
     """The EMA weights (DeepSpeedEMAHook) of checkpoint ``path``, keys as the model's."""
     check_checkpoint(path)
     client = safe_load(osp.join(path, CLIENT_FILE), allow_unsafe)
-    ema = client.get('ema_state_dict')
+    ema = client.get(EMA_KEY)
     if ema is None:
         raise CheckpointError(f'{osp.join(path, CLIENT_FILE)} holds no EMA weights: the run had '
                               'no EMAHook. Export without --ema.')
@@ -187,10 +191,10 @@ def publish_checkpoint(path: str, keys: Sequence[str], allow_unsafe: bool = Fals
     """
     meta = check_checkpoint(path)
     client = safe_load(osp.join(path, CLIENT_FILE), allow_unsafe)
-    available = {'meta': dict(client.get('meta', {}), **meta),
-                 'state_dict': lambda: consolidated_state_dict(path, allow_unsafe),
-                 'message_hub': client.get('message_hub'),
-                 'param_schedulers': client.get('param_schedulers')}
+    available = {META_KEY: dict(client.get(META_KEY, {}), **meta),
+                 STATE_DICT_KEY: lambda: consolidated_state_dict(path, allow_unsafe),
+                 MESSAGE_HUB_KEY: client.get(MESSAGE_HUB_KEY),
+                 PARAM_SCHEDULERS_KEY: client.get(PARAM_SCHEDULERS_KEY)}
     published = {key: value() if callable(value) else value
                  for key, value in available.items() if key in keys and value is not None}
     sha = hashlib.sha256(pickle.dumps(published)).hexdigest()

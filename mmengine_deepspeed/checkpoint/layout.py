@@ -41,6 +41,9 @@ META_FILE = 'meta.json'
 MARKER_FILE = 'COMPLETE'
 RANK_FILE = 'rank_state_rank{rank}.pt'
 WEIGHTS_FILE = 'weights.pt'
+# DeepSpeed's model-state file in an engine's tag directory, below ZeRO-3 and at ZeRO-3.
+ZERO0_MODEL_FILE = 'mp_rank_00_model_states.pt'
+ZERO3_MODEL_FILE = 'zero_pp_rank_0_mp_rank_00_model_states.pt'
 LAST_CHECKPOINT = 'last_checkpoint'
 # 2: ``shards`` are paths relative to the checkpoint and ``engines`` names each
 # engine's submodule; 1 (one engine, shards inside DS_TAG) is still read.

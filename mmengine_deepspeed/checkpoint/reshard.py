@@ -26,7 +26,7 @@ from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from typing_extensions import override
 
-from .layout import CheckpointError, write_text_atomic
+from .layout import ZERO0_MODEL_FILE, ZERO3_MODEL_FILE, CheckpointError, write_text_atomic
 from .safe_load import safe_load
 
 ADAM_STATE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, FusedAdam, DeepSpeedCPUAdam)
@@ -79,8 +79,7 @@ def needs_universal(saved: Layout, current: Layout, path: str) -> bool:
 # The engine-level state file a universal checkpoint carries is named after
 # the stage it was saved from; a loading engine looks for its own stage's name
 # (ZeRO-3: per-rank files, read as rank 0's under universal loading).
-STATE_FILE = {True: 'zero_pp_rank_0_mp_rank_00_model_states.pt',
-              False: 'mp_rank_00_model_states.pt'}
+STATE_FILE = {True: ZERO3_MODEL_FILE, False: ZERO0_MODEL_FILE}
 
 
 def check_reshardable(optimizer: Any, path: str) -> None:

@@ -29,7 +29,13 @@ from deepspeed.utils import (
 )
 from torch import nn
 
-from ..compat import full_shape, has_separate_master, is_zero3_param, local_partition
+from ..compat import (
+    full_shape,
+    has_separate_master,
+    is_zero3_param,
+    local_partition,
+    partition_group,
+)
 from ..zero.gather import gathered_params
 from .layout import CheckpointError
 
@@ -155,7 +161,7 @@ def _set_master(param: Any, value: torch.Tensor) -> None:
     partition = local_partition(param)
     assert partition is not None  # a ZeRO-3 parameter
     size = partition.numel()
-    start = size * dist.get_rank(group=getattr(param, 'ds_process_group', None))
+    start = size * dist.get_rank(group=partition_group(param))
     piece = value.flatten()[start:start + size]
     local = torch.zeros(size, dtype=torch.float32)
     local[:piece.numel()] = piece

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 AUTO = 'auto'
 
@@ -145,11 +145,20 @@ def check_types(ds: Mapping[str, Any]) -> None:
         _expect(ds, key, isinstance(value, Mapping), 'a dict such as {"device": "cpu"}')
         device = get_value(ds, f'{key}.device', 'none')
         _expect(ds, f'{key}.device', device in OFFLOAD_DEVICES, f'one of {OFFLOAD_DEVICES}')
-    if get_value(ds, 'zero_optimization.offload_param.device', 'none') != 'none' \
-            and get_value(ds, 'zero_optimization.stage', 0) != 3:
+    if offload_devices(ds)[1] is not None and get_value(ds, 'zero_optimization.stage', 0) != 3:
         raise DsConfigError(
             'ds_config.zero_optimization.offload_param needs zero_optimization.stage 3; '
             'use offload_optimizer with stages 1-2.')
+
+
+def offload_devices(ds_config: Mapping[str, Any]) -> tuple[Optional[str], Optional[str]]:
+    """``(optimizer device, parameter device)`` ZeRO offloads to, None where not offloaded."""
+    zero = ds_config.get('zero_optimization') or {}
+    devices = []
+    for key in ('offload_optimizer', 'offload_param'):
+        device = (zero.get(key) or {}).get('device')
+        devices.append(device if device in ('cpu', 'nvme') else None)
+    return devices[0], devices[1]
 
 
 def check_precision(ds: Mapping[str, Any], cuda_available: bool) -> None:

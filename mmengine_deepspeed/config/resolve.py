@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+import torch
+
 from .checks import (
     AUTO,
     DsConfigError,
@@ -114,6 +116,10 @@ def _to_plain(value: Any) -> Any:
 def zero_stage(ds_config: Mapping[str, Any]) -> int:
     """The ZeRO stage of a validated config (0 when unset)."""
     return int(get_value(ds_config, 'zero_optimization.stage', 0))
+
+
+# The torch dtype of each precision name (ds_config's and ``convert --dtype``'s).
+DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 
 
 def precision(ds_config: Mapping[str, Any]) -> str:

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from ..compat import full_numel, local_partition
-from ..config.resolve import get_value, precision, zero_stage
+from ..config.checks import offload_devices
+from ..config.resolve import precision, zero_stage
 from ..dist import native_bf16
 
 
@@ -27,8 +28,8 @@ def banner(ds_config: dict, world_size: int, module: torch.nn.Module,
     """The one-paragraph summary of how an engine is distributed (``name``: one of several)."""
     micro = ds_config['train_micro_batch_size_per_gpu']
     accum = ds_config['gradient_accumulation_steps']
-    offload = {part: get_value(ds_config, f'zero_optimization.offload_{part}.device', 'none')
-               for part in ('optimizer', 'param')}
+    offload = dict(zip(('optimizer', 'param'),
+                       (device or 'none' for device in offload_devices(ds_config))))
     total, held = parameter_counts(module)
     backend = dist.get_backend() if dist.is_initialized() else 'none'
     engine = 'DeepSpeed engine' if name is None else f'DeepSpeed engine {name!r}'

@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from ..config.model_settings import fit_to_model
-from ..config.resolve import zero_stage
+from ..config.resolve import DTYPES, zero_stage
 from ..dist import cuda_available
 from ..zero.unused_params import untrace_parameterless_modules, zero3_unsupported
 from ..zero.zero_dim import engine_config, initializable
@@ -42,7 +42,6 @@ from .spec import SINGLE_ENGINE, EngineSpecs
 from .wrapper import DeepSpeedEngineWrapper, cast_floating
 
 # The dtype floating inputs are cast to, by precision.
-CAST_DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': None}
 
 # torch optimizers that update each element from its own gradient and state
 # only, and therefore behave the same on ZeRO's flattened partitions. DeepSpeed
@@ -231,7 +230,7 @@ def build_engines(specs: EngineSpecs, model: nn.Module,
                                    spec.ds_config)
         logger.info(banner(spec.ds_config, world_size, spec.engine.module, training,
                            name=spec.name if several else None))
-    cast_dtype = CAST_DTYPES[specs.precision]
+    cast_dtype = None if specs.precision == 'fp32' else DTYPES[specs.precision]
     if several and cast_dtype is not None:
         for spec in specs:
             cast_inputs(spec.engine.module, cast_dtype)  # type: ignore[union-attr]

@@ -17,22 +17,13 @@ from typing import Optional
 import torch
 from torch.optim import Optimizer
 
+from ..config.checks import offload_devices
 from ..config.resolve import zero_stage
 
 CPU_OPTIMIZER_HINT = (
     "use optimizer=dict(type='DeepSpeedCPUAdam', ...) (or DeepSpeedCPUAdagrad / "
     'DeepSpeedCPULion, from deepspeed.ops), or set "zero_force_ds_cpu_optimizer": false in '
     'ds_config to step this optimizer on the CPU as it is (slower)')
-
-
-def offload_devices(ds_config: dict) -> tuple[Optional[str], Optional[str]]:
-    """``(optimizer device, parameter device)`` ZeRO offloads to, None where not offloaded."""
-    zero = ds_config.get('zero_optimization') or {}
-    devices = []
-    for key in ('offload_optimizer', 'offload_param'):
-        device = (zero.get(key) or {}).get('device')
-        devices.append(device if device in ('cpu', 'nvme') else None)
-    return devices[0], devices[1]
 
 
 def check_nvme(ds_config: dict) -> None:

@@ -32,7 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ..compat import backward_prologue
+from ..compat import backward_prologue, count_backward
 from ..zero.unused_params import UsedParameters, with_every_parameter
 
 
@@ -131,7 +131,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         if not self.forward_through_engine:
             loss = begin_backward_at(loss, self.engine)
         self.engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
-        self._inner_count += 1
+        count_backward(self)
 
     def _parameters(self) -> tuple[list[str], list[nn.Parameter]]:
         """The engine's parameters' names and parameters: fixed once it is built; which of

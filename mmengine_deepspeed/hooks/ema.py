@@ -32,6 +32,7 @@ from torch import nn
 from typing_extensions import override
 
 from ..checkpoint.layout import EMA_KEY
+from ..compat import ema_started
 from ..zero.gather import gathered, whole_copy
 
 
@@ -95,7 +96,7 @@ class DeepSpeedEMAHook(EMAHook):
                          outputs: Optional[dict] = None) -> None:
         """Average the gathered fp32 weights (or copy them before EMA starts); gathered
         only on the iterations that blend them."""
-        if not self._ema_started(runner):
+        if not ema_started(self, runner):
             with gathered(self.src_model):
                 current = _Fp32View(self.src_model).state_dict()
                 for key, value in self.ema_model.module.state_dict().items():

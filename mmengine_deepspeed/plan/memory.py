@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from dataclasses import astuple, dataclass
 
+from ..config.model_settings import DEEPSPEED_REDUCE_BUCKET
 from .activations import Activations
 from .census import EngineCensus
 
 MIB = 2**20
 # DeepSpeed 0.19's defaults, in elements.
-REDUCE_BUCKET = 500_000_000
-ALLREDUCE_BUCKET = 500_000_000  # ZeRO-0's gradient all-reduce (engine.MEMORY_OPT_ALLREDUCE_SIZE)
+REDUCE_BUCKET = DEEPSPEED_REDUCE_BUCKET
+ALLREDUCE_BUCKET = DEEPSPEED_REDUCE_BUCKET  # ZeRO-0's gradient all-reduce, the same size
+                                           # (engine.MEMORY_OPT_ALLREDUCE_SIZE)
 PERSISTENCE = 100_000
 # On the CPU the RSS keeps what glibc's heap keeps: freed gradients, gathered parameters,
 # all-reduce copies and optimizer temporaries (its mmap threshold rises to each freed

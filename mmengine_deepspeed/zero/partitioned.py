@@ -53,13 +53,13 @@ from typing import Any, Optional
 
 import deepspeed
 import torch
-from deepspeed.runtime.zero.partition_parameters import DeepSpeedTensorOverride, ZeroParamStatus
+from deepspeed.runtime.zero.partition_parameters import DeepSpeedTensorOverride
 from mmengine import dist as mmengine_dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
-from ..compat import full_numel, full_shape, is_zero3_param, set_full_shape
+from ..compat import full_numel, full_shape, is_released, is_zero3_param, set_full_shape
 from .zero_dim import SCALAR_SHAPE, broadcastable
 
 
@@ -254,7 +254,7 @@ def whole_construction_note(failure: Optional[str], model: nn.Module) -> str:
 
 def _zero_params(value: Any, found: dict[int, nn.Parameter]) -> None:
     if isinstance(value, nn.Parameter):
-        if hasattr(value, 'ds_status'):
+        if is_zero3_param(value):
             found.setdefault(id(value), value)
     elif isinstance(value, (list, tuple)):
         for item in value:
@@ -276,10 +276,6 @@ SHAPE_QUERIES = _getters('shape', 'ndim') | {
 # What the partitioned parameter itself answers as well as the whole one.
 PARAMETER_QUERIES = _getters('dtype', 'device', 'requires_grad', 'is_leaf', 'grad') | {
     torch.Tensor.requires_grad_}
-
-
-def _partitioned(value: Any) -> bool:
-    return getattr(value, 'ds_status', None) == ZeroParamStatus.NOT_AVAILABLE
 
 
 def largest_submodule(model: nn.Module) -> int:
@@ -315,7 +311,7 @@ class GatherOnUse(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in PARAMETER_QUERIES:
             return func(*args, **kwargs)
-        if func in SHAPE_QUERIES and args and _partitioned(args[0]):
+        if func in SHAPE_QUERIES and args and is_released(args[0]):
             whole = torch.empty(full_shape(args[0]), device='meta')
             return func(whole, *args[1:], **kwargs)
         found: dict[int, nn.Parameter] = {}

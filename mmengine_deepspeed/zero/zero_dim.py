@@ -38,11 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compat import full_shape, set_full_shape
+from ..compat import full_shape, set_full_shape, skip_engine_broadcast
 from ..config.resolve import precision, zero_stage
 
 SCALAR_SHAPE = torch.Size([])
-SKIP_BROADCAST_MARK = 'ds_optim_param'
 
 
 def zero_dim_parameters(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
@@ -95,12 +94,12 @@ def initializable(model: nn.Module, zero3: bool) -> Iterator[None]:
             sent = param.data.to(device)
             dist.broadcast(sent, src=0)
             param.data.copy_(sent)
-        setattr(param, SKIP_BROADCAST_MARK, True)
+        skip_engine_broadcast(param, True)
     try:
         yield
     finally:
         for param in scalars:
-            delattr(param, SKIP_BROADCAST_MARK)
+            skip_engine_broadcast(param, False)
 
 
 @contextmanager

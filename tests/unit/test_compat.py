@@ -93,3 +93,17 @@ def test_an_op_marked_unavailable_is_not_built_by_deepspeeds_backend() -> None:
         assert ds_comm_torch.build_shm_op() is None
     finally:
         compatible['deepspeed_shm_comm'] = before
+
+
+def test_a_counted_backward_moves_mmengines_accumulation_boundary() -> None:
+    """DeepSpeedOptimWrapper.backward counts through compat.count_backward; MMEngine's
+    should_update() must see it (boundaries every accumulative_counts backwards)."""
+    from mmengine.optim import OptimWrapper
+
+    model = torch.nn.Linear(2, 2)
+    wrapper = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), accumulative_counts=2)
+    wrapper.initialize_count_status(model, 0, 4)
+    compat.count_backward(wrapper)
+    assert not wrapper.should_update()
+    compat.count_backward(wrapper)
+    assert wrapper.should_update()
