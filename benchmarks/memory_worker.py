@@ -45,7 +45,7 @@ def main() -> None:
 
     from mmengine_deepspeed.demo.model import TinyGPT
     from mmengine_deepspeed.dist import init_distributed
-    from mmengine_deepspeed.hooks.monitor import peak_memory_mb
+    from mmengine_deepspeed.process_memory import peak_memory_mb
 
     stage, offload, width, depth, steps, bucket = map(int, sys.argv[1:7])
     cuda = torch.cuda.is_available()

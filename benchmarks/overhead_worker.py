@@ -193,10 +193,9 @@ def run_raw(model_name: str, stage: int, iters: int, recorder: Recorder) -> int:
 
     import mmengine_deepspeed.demo  # noqa: F401  the TinyGPT class
     from benchmarks.common import ds_config
-    from mmengine_deepspeed.config.model_settings import fit_to_model
     from mmengine_deepspeed.dist import init_distributed
-    from mmengine_deepspeed.engine.spec import EngineSpecs, mmengine_settings
-    from mmengine_deepspeed.hooks.monitor import parameter_counts
+    from mmengine_deepspeed.engine.banner import parameter_counts
+    from mmengine_deepspeed.engine.spec import EngineSpecs
     init_distributed('pytorch', dict(backend=BACKEND))
     model_cfg, loader_cfg = model_and_data(model_name)
     torch.manual_seed(0)
@@ -208,13 +207,13 @@ def run_raw(model_name: str, stage: int, iters: int, recorder: Recorder) -> int:
     # the ds_config the runner trains with (batch filled, ZeRO-3's buffers sized to the
     # model, DeepSpeed's throughput timer off), so both loops run the same DeepSpeed
     optim_cfg = mmengine_cfg(model_name, iters, '')['optim_wrapper']
-    specs = EngineSpecs(ds_config(stage, model=model_name), None,
-                        mmengine_settings(loader_cfg, optim_cfg, None))
+    specs = EngineSpecs.of_run(ds_config(stage, model=model_name), None, loader_cfg, optim_cfg,
+                               None)
     specs.resolve(world_size=dist.get_world_size())
-    config = dict(specs.configs()['model'], zero_allow_untested_optimizer=True)
-    fit_to_model(config, model)
-    engine, *_ = deepspeed.initialize(model=model, config=config,
-                                      optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    spec = specs['model']
+    spec.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, *_ = deepspeed.initialize(model=model, config=spec.finish(model),
+                                      optimizer=spec.optimizer)
     batches = iter(loader)
     engine.train()
     logged = []
@@ -254,7 +253,7 @@ def run_runner(model_name: str, stage: int, iters: int, work_dir: str,
 
     import mmengine_deepspeed.demo  # noqa: F401  registers DeepSpeedRunner and TinyGPT
     from benchmarks.common import ds_config
-    from mmengine_deepspeed.hooks.monitor import parameter_counts
+    from mmengine_deepspeed.engine.banner import parameter_counts
 
     time_the_unused_parameter_check()
     cfg = mmengine_cfg(model_name, iters, work_dir)
@@ -281,8 +280,8 @@ def run_strategy(model_name: str, stage: int, iters: int, work_dir: str,
 
     import mmengine_deepspeed.demo  # noqa: F401  the TinyGPT class
     from benchmarks.common import BATCH, ds_config
+    from mmengine_deepspeed.engine.banner import parameter_counts
     from mmengine_deepspeed.engine.optimizers import DEEPSPEED_OPTIMIZERS
-    from mmengine_deepspeed.hooks.monitor import parameter_counts
 
     for cls in DEEPSPEED_OPTIMIZERS:
         OPTIMIZERS._module_dict.pop(cls.__name__, None)

@@ -203,7 +203,7 @@ def has_separate_master(param: torch.Tensor) -> bool:
 
     ZeRO-3 marks its parameters with ``_z3_optimizer`` and ZeRO-1/2 with
     ``_hp_mapping``, which ``deepspeed.utils.safe_get_full_fp32_param``
-    itself checks (tests/unit/test_weights_only.py).
+    itself checks (tests/unit/test_checkpoint_weights.py).
     """
     return hasattr(param, '_z3_optimizer') or hasattr(param, '_hp_mapping')
 

@@ -15,7 +15,6 @@ import contextlib
 import copy
 import inspect
 import os
-import os.path as osp
 from collections.abc import Mapping
 from typing import Any, Optional, Union, cast
 
@@ -32,7 +31,7 @@ from typing_extensions import override
 
 from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.data_order import resumable_loader
-from .checkpoint.plan import ResumeKind
+from .checkpoint.resume_plan import ResumeKind
 from .checkpoint.state import rng_state, set_rng_state
 from .config.resolve import DsConfigSource
 from .dist import cuda_available, init_distributed
@@ -50,12 +49,11 @@ from .engine.spec import (
 )
 from .engine.wrapper import overrides
 from .failure import failing_together
-from .hooks.ema import DeepSpeedEMAHook
-from .hooks.preemption import PreemptionHook
 from .hooks.runner_methods import HookMethods
 from .loops import resumable_loop
 from .message_hub import MessageHubMethods
-from .plan.planner import predicted_peak_mib, rss_mib
+from .plan.planner import predicted_peak_mib
+from .process_memory import rss_mib
 from .quiet import quiet_deepspeed
 from .runner_checkpoint import CheckpointMethods
 from .zero.partitioned import build_advice, built_partitioned, gather_on_use
@@ -111,11 +109,9 @@ class DeepSpeedRunner(CheckpointMethods, HookMethods, MessageHubMethods):
         self.allow_unsafe_checkpoints = bool(_from_cfg(
             cfg, 'allow_unsafe_checkpoints', allow_unsafe_checkpoints, False))
         self.zero_init = bool(_from_cfg(cfg, 'zero_init', zero_init, True))
-        filename = getattr(cfg, 'filename', None)
-        self.engine_specs = EngineSpecs(
-            ds_config, osp.dirname(osp.abspath(filename)) if filename else None,
-            mmengine_settings(arguments.get('train_dataloader'), arguments.get('optim_wrapper'),
-                              arguments.get('param_scheduler')))
+        self.engine_specs = EngineSpecs.of_run(
+            ds_config, getattr(cfg, 'filename', None), arguments.get('train_dataloader'),
+            arguments.get('optim_wrapper'), arguments.get('param_scheduler'))
         # Refuse a bad ds_config before any process group or file exists.
         self.engine_specs.resolve(world_size=None)
         for spec in self.engine_specs:
@@ -157,7 +153,7 @@ class DeepSpeedRunner(CheckpointMethods, HookMethods, MessageHubMethods):
         if not isinstance(self.cfg.get('model'), dict):
             raise ValueError('the model was given as an instance, not a config')
         cfg = Config(dict(self.cfg.to_dict(), **self._taken))  # keys train() holds meanwhile
-        return predicted_peak_mib(cfg, self.engine_specs.configs(), self.world_size,
+        return predicted_peak_mib(cfg, self.engine_specs, self.world_size,
                                   int(os.environ.get('LOCAL_WORLD_SIZE', self.world_size)),
                                   copy.deepcopy(data_batch), self.rss_at_start_mib,
                                   None if saved is None else (self.bare_model, saved))
@@ -184,7 +180,7 @@ class DeepSpeedRunner(CheckpointMethods, HookMethods, MessageHubMethods):
         """
         specs = self.engine_specs
         specs.resolve(self.world_size)
-        advice = build_advice(model, specs.zero_stage, self.zero_init, len(specs))
+        advice = build_advice(model, specs.zero_stage, self.zero_init, specs.several)
         if advice is not None:
             self.logger.info(advice)
         if not isinstance(model, dict) or advice is not None or not self.zero_init \
@@ -233,10 +229,9 @@ class DeepSpeedRunner(CheckpointMethods, HookMethods, MessageHubMethods):
         An error on this rank ends every rank at once (``failure.py``); a stop
         signal ends them together after a checkpoint (``hooks/preemption.py``).
         """
-        with failing_together(), contextlib.ExitStack() as signals:
-            for hook in self.added_hooks:
-                if isinstance(hook, PreemptionHook):
-                    signals.enter_context(hook.catching_signals())
+        with failing_together(), contextlib.ExitStack() as during_train:
+            # hooks enter what lasts until train() returns or raises (PreemptionHook)
+            self.call_hook('during_train', stack=during_train)
             # MMEngine's train() calls build_optim_wrapper once: that call builds the engines.
             self._engines_wanted = not self.engine_specs.built
             self.checkpointer.resolve_plan()  # once, before anything loads
@@ -324,8 +319,7 @@ class DeepSpeedRunner(CheckpointMethods, HookMethods, MessageHubMethods):
                              f'its checkpoint: {", ".join(wrapped) or "none listed"}.')
         built = super().build_optim_wrapper(as_plain_wrappers(optim_wrapper))
         # The engines follow the wrappers built now (runner.optim_wrapper may have changed).
-        self.engine_specs = EngineSpecs(
-            self.engine_specs.source, self.engine_specs.config_dir,
+        self.engine_specs.use_settings(
             mmengine_settings(self.train_dataloader, built, self.param_schedulers))
         self._build_engines(named_optimizers(built))
         options = compile_options(self._taken.get('compile'))
@@ -349,8 +343,8 @@ class DeepSpeedRunner(CheckpointMethods, HookMethods, MessageHubMethods):
         self.model, self._find_unused_parameters = build_engines(
             self.engine_specs, self.bare_model, optimizers, world_size=self.world_size,
             find_unused_parameters=self._find_unused_parameters, logger=self.logger,
-            before_partitioning=self._before_partitioning)
-        self.attach_checkpointer()
+            before_partitioning=self._before_partitioning,
+            universal=self.checkpointer.loads_universal(optimizers.values()))
 
     def _before_partitioning(self, specs: EngineSpecs) -> None:
         """What needs the model whole, between the optimizers and ``deepspeed.initialize``."""
@@ -358,11 +352,8 @@ class DeepSpeedRunner(CheckpointMethods, HookMethods, MessageHubMethods):
         if plan.kind is ResumeKind.WEIGHTS and not self.checkpointer.weights_loaded:
             # Into the bare model, so DeepSpeed partitions (and keeps fp32 masters of) them.
             self.load_checkpoint(str(plan.path))
-        for hook in self.hooks:
-            if isinstance(hook, DeepSpeedEMAHook):
-                hook.take_template(self.bare_model)  # full fp32 weights, before partitioning
-        if any(spec.optimizer is not None for spec in specs):
-            self.checkpointer.prepare_universal(specs)
+        # hooks that need the whole model (DeepSpeedEMAHook: its fp32 template)
+        self.call_hook('before_partitioning', model=self.bare_model)
 
     def _ensure_engine(self) -> None:
         self.checkpointer.resolve_plan()  # once, before anything loads

@@ -30,12 +30,11 @@ from .checkpoint.parts import (
     Part,
     RankStatePart,
     SchedulersPart,
-    named_wrappers,
 )
 from .checkpoint.save import save_failure
 from .checkpoint.state import plain
 from .compat import randomness_cfg
-from .engine.spec import EngineSpecs
+from .engine.spec import EngineSpecs, named_wrappers
 
 # MMEngine's names for the local disk (FileClient's 'disk', the file backends' 'local').
 LOCAL_BACKENDS = ('local', 'disk')
@@ -53,8 +52,9 @@ class CheckpointMethods(Runner):
         raise NotImplementedError
 
     def attach_checkpointer(self) -> None:
-        """Give the checkpointer what it saves and restores: the engines as they are now
-        (before any, or once ``train()`` / ``val()`` / ``test()`` built them)."""
+        """Give the checkpointer what it saves and restores (once, in ``__init__``): the
+        run's EngineSpecs, built by ``train()`` / ``val()`` / ``test()`` later, the user's
+        model and the parts."""
         self.checkpointer.attach(Collaborators(
             specs=self.engine_specs, model=self.bare_model, parts=self.checkpoint_parts,
             call_hook=self.call_hook, world_size=self.world_size, rank=self.rank,
@@ -189,7 +189,7 @@ class CheckpointMethods(Runner):
 
     @override
     def load_or_resume(self) -> None:
-        """Carry out the resume plan (``checkpoint/plan.py``), resolved on first use.
+        """Carry out the resume plan (``checkpoint/resume_plan.py``), resolved on first use.
 
         ``load_from`` weights went into the bare model before the engines;
         a resume restores everything into the training engines, or, before

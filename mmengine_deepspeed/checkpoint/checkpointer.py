@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import os.path as osp
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -25,6 +25,7 @@ import mmengine
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import Optimizer
 
 from ..dist import cpu_group
 from ..engine.spec import EngineSpecs
@@ -44,8 +45,8 @@ from .layout import (
 )
 from .load_weights import load_weights_into
 from .parts import Part
-from .plan import ResumeKind, ResumePlan, plan_for, resolve_plan
-from .reshard import Layout, check_reshardable, convert
+from .reshard import Sharding, check_reshardable, convert
+from .resume_plan import ResumeKind, ResumePlan, plan_for, resolve_plan
 from .safe_load import check_pickles, safe_load
 from .save import save_checkpoint_dir, write_rank_state
 from .state import plain
@@ -80,8 +81,8 @@ def agreed_path(path: str) -> str:
 
 @dataclass
 class Collaborators:
-    """What save and restore work on, given by the runner when it changes (the model
-    before its engines, then the engines built by ``train()`` / ``val()`` / ``test()``).
+    """What save and restore work on, given once by the runner: its EngineSpecs (built
+    or not: one object for the run) and the user's model, and what reads the rest.
 
     Args:
         specs (EngineSpecs): The engines (built or not).
@@ -174,15 +175,15 @@ class Checkpointer:
         """Whether the run continues a checkpoint (not only loads weights)."""
         return self._resume
 
-    def _layout(self) -> Layout:
-        return Layout(self._attached.world_size, self._attached.specs.zero_stage)
+    def _sharding(self) -> Sharding:
+        return Sharding(self._attached.world_size, self._attached.specs.zero_stage)
 
     def resolve_plan(self) -> ResumePlan:
         """The resume plan: resolved at its first call (the start of train/val/test, before
         anything loads), then kept until a new resume request."""
         if self._plan is None:
             self._plan = resolve_plan(resume=self._resume, path=self._load_from,
-                                      work_dir=self.work_dir, current=self._layout(),
+                                      work_dir=self.work_dir, current=self._sharding(),
                                       logger=self.logger)
         return self._plan
 
@@ -194,18 +195,17 @@ class Checkpointer:
                                'starts; call resolve_plan() first.')
         return self._plan
 
-    def prepare_universal(self, specs: EngineSpecs) -> None:
-        """Before the engines exist: configure ``specs`` to load a universal checkpoint.
-
-        Refuses optimizers a universal checkpoint cannot carry before any
-        work is done.
-        """
+    def loads_universal(self, optimizers: Iterable[Optional[Optimizer]]) -> bool:
+        """Whether engines about to be built with ``optimizers`` load a universal checkpoint
+        (training engines, on a plan that reshards); optimizers a universal checkpoint
+        cannot carry are refused before any work is done."""
         plan = self.plan
-        if plan.kind is not ResumeKind.UNIVERSAL:
-            return
-        for spec in specs:
-            check_reshardable(spec.optimizer, str(plan.path))
-            spec.ds_config.setdefault('checkpoint', {})['load_universal'] = True
+        training = [optimizer for optimizer in optimizers if optimizer is not None]
+        if plan.kind is not ResumeKind.UNIVERSAL or not training:
+            return False
+        for optimizer in training:
+            check_reshardable(optimizer, str(plan.path))
+        return True
 
     def load_weights(self, filename: str, *, strict: bool,
                      revise_keys: Sequence[tuple[str, str]]) -> dict:
@@ -246,7 +246,7 @@ class Checkpointer:
                           experiment_name=run.experiment_name)
         parts = run.parts(dict(meta, **facts), save_param_scheduler)
         facts.update(epoch=meta['epoch'], iter=meta['iter'])
-        if len(run.specs) > 1:
+        if run.specs.several:
             facts['engines'] = run.specs.modules()
         client: dict[str, Any] = {}
         rank_state: dict[str, Any] = {}
@@ -289,7 +289,7 @@ class Checkpointer:
         """
         run = self._attached
         started = time.perf_counter()
-        plan = plan_for(path, self._layout())
+        plan = plan_for(path, self._sharding())
         meta = check_checkpoint(path)
         check_pickles([*shard_files(path), osp.join(path, CLIENT_FILE)], self.allow_unsafe)
         client = safe_load(osp.join(path, CLIENT_FILE), self.allow_unsafe)
@@ -318,8 +318,8 @@ class Checkpointer:
                 f'{path!r} holds the engines {saved_modules} ({{name: submodule}}); this run '
                 f'builds {specs.modules()}. Resume with the optim_wrapper keys the checkpoint '
                 'was trained with, or start from its weights with load_from and resume=False.')
-        saved = Layout(meta['world_size'], meta['zero_stage'])
-        current = self._layout()
+        saved = Sharding(meta['world_size'], meta['zero_stage'])
+        current = self._sharding()
         if universal:
             self.logger.info(f'Resharding {path}: {saved} -> {current}, through a DeepSpeed '
                              'universal checkpoint (converted once, kept beside it).')

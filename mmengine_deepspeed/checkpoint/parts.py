@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 from mmengine.logging import MessageHub
-from mmengine.optim import OptimWrapperDict
 from torch import nn
 
 from ..compat import set_loop_position
@@ -81,13 +80,6 @@ class MessageHubPart:
 
     def load_state_dict(self, state: dict) -> None:
         load_hub_state(self.hub, state)
-
-
-def named_wrappers(optim_wrapper: Any) -> dict[str, Any]:
-    """The runner's optim wrappers by engine name (one, or an OptimWrapperDict's)."""
-    if isinstance(optim_wrapper, OptimWrapperDict):
-        return dict(optim_wrapper.optim_wrappers)
-    return {SINGLE_ENGINE: optim_wrapper}
 
 
 @dataclass

@@ -34,7 +34,7 @@ UNIVERSAL_MARKER = 'CONVERTED'
 
 
 @dataclass(frozen=True)
-class Layout:
+class Sharding:
     """How a run partitions its state."""
 
     world_size: int
@@ -45,14 +45,14 @@ class Layout:
         return f'world size {self.world_size}, ZeRO-{self.zero_stage}'
 
 
-def needs_universal(saved: Layout, current: Layout, path: str) -> bool:
+def needs_universal(saved: Sharding, current: Sharding, path: str) -> bool:
     """Whether resuming ``path`` (saved as ``saved``) needs a universal checkpoint.
 
     Raises before any state is touched when the change cannot be supported.
 
     Args:
-        saved (Layout): The checkpoint's layout (from its meta).
-        current (Layout): This run's layout.
+        saved (Sharding): The checkpoint's layout (from its meta).
+        current (Sharding): This run's layout.
         path (str): The checkpoint, for messages.
 
     Returns:

@@ -30,28 +30,18 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from ..config.model_settings import fit_to_model
 from ..config.resolve import DTYPES, zero_stage
 from ..dist import cuda_available
 from ..zero.unused_params import untrace_parameterless_modules, zero3_unsupported
-from ..zero.zero_dim import engine_config, initializable
+from ..zero.zero_dim import initializable
 from .banner import banner, precision_note
 from .offload import cpu_optimizer
 from .optim_wrapper import DeepSpeedOptimWrapper
-from .spec import SINGLE_ENGINE, EngineSpecs
+from .spec import SINGLE_ENGINE, EngineSpecs, engine_label
 from .wrapper import DeepSpeedEngineWrapper, cast_floating
 
 # The dtype floating inputs are cast to, by precision.
 
-# torch optimizers that update each element from its own gradient and state
-# only, and therefore behave the same on ZeRO's flattened partitions. DeepSpeed
-# asks for ``zero_allow_untested_optimizer`` for all but Adam(W)/Adagrad; for
-# these we set it, for anything else (LARS, LAMB, Shampoo...) the user decides.
-ELEMENTWISE_OPTIMIZERS = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
-    torch.optim.Adadelta, torch.optim.Adamax, torch.optim.RMSprop, torch.optim.NAdam,
-    torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop,
-)
 
 def owned_submodules(model: nn.Module,
                      optimizers: Mapping[str, Optional[Optimizer]]) -> dict[str, str]:
@@ -75,7 +65,7 @@ def owned_submodules(model: nn.Module,
         groups = optimizer.param_groups if optimizer is not None else []
         foreign = [p for group in groups for p in group['params'] if id(p) not in names]
         if foreign:
-            label = 'optim_wrapper' if key == SINGLE_ENGINE else f'optim_wrapper[{key!r}]'
+            label = engine_label(key)
             shapes = ', '.join(str(list(p.shape)) for p in foreign[:3])
             raise ValueError(
                 f'{label} optimizes {len(foreign)} parameters that are not the model\'s (shapes '
@@ -122,19 +112,6 @@ def _owner(model: nn.Module, key: str, ids: set[int], others: set[int],
         'submodule (its key naming it, e.g. "generator"), or merge the optimizers.')
 
 
-def evaluation_stage(specs: EngineSpecs) -> str:
-    """Use ZeRO-0 for an evaluation engine asked for ZeRO-1/2; returns the log line.
-
-    ZeRO-1/2 partition optimizer states and gradients only, and DeepSpeed
-    refuses them without an optimizer; the weights are the same at stage 0.
-    """
-    stage = specs.zero_stage
-    for spec in specs:
-        spec.ds_config['zero_optimization']['stage'] = 0
-    return (f'No optimizer (val/test only): ZeRO-{stage} has nothing to partition, using '
-            'ZeRO-0 for this engine.')
-
-
 def build_engine(module: nn.Module, optimizer: Optional[Optimizer],
                  ds_config: dict) -> DeepSpeedEngine:
     """``deepspeed.initialize`` around ``module`` with the settings it needs.
@@ -143,18 +120,13 @@ def build_engine(module: nn.Module, optimizer: Optional[Optimizer],
         module (nn.Module): The whole model or one optimizer's submodule.
         optimizer (Optimizer, optional): Its optimizer; None for an
             evaluation engine.
-        ds_config (dict): The resolved config, completed in place with the
-            settings that depend on the module.
+        ds_config (dict): The finished config (``EngineSpec.finish``).
 
     Returns:
         DeepSpeedEngine: The engine.
     """
-    if optimizer is not None and isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-        ds_config.setdefault('zero_allow_untested_optimizer', True)
-    fit_to_model(ds_config, module)
     with initializable(module, zero3=zero_stage(ds_config) == 3):
-        engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer,
-                                          config=engine_config(ds_config, module))
+        engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
     untrace_parameterless_modules(engine)
     return engine
 
@@ -175,15 +147,16 @@ def cast_inputs(module: nn.Module, dtype: torch.dtype) -> RemovableHandle:
 def build_engines(specs: EngineSpecs, model: nn.Module,
                   optimizers: Mapping[str, Optional[Optimizer]], *, world_size: int,
                   find_unused_parameters: bool, logger: Any,
-                  before_partitioning: Callable[[EngineSpecs], None]
+                  before_partitioning: Callable[[EngineSpecs], None], universal: bool = False
                   ) -> tuple[DeepSpeedEngineWrapper, bool]:
     """Everything between MMEngine's optimizers and the model wrapper its loops drive.
 
     In this order: each engine's ds_config for this world size; ZeRO-3's
-    refusal of ``find_unused_parameters``; ZeRO-0 for an evaluation engine
-    asked for ZeRO-1/2; DeepSpeed's CPU Adam where ZeRO offloads the
-    optimizer; the submodule each optimizer owns; ``before_partitioning``;
-    ``deepspeed.initialize`` per engine; the banner and the precision note.
+    refusal of ``find_unused_parameters``; DeepSpeed's CPU Adam where ZeRO
+    offloads the optimizer; the submodule each optimizer owns;
+    ``before_partitioning``; per engine its finished ds_config
+    (``EngineSpec.finish``) and ``deepspeed.initialize``; the banner and the
+    precision note.
 
     Args:
         specs (EngineSpecs): The runner's engines, completed in place.
@@ -196,6 +169,8 @@ def build_engines(specs: EngineSpecs, model: nn.Module,
         before_partitioning (Callable[[EngineSpecs], None]): The runner's
             steps that need the model whole (``load_from``, the EMA template,
             a universal checkpoint's conversion).
+        universal (bool): The training engines load a universal checkpoint.
+            Defaults to False.
 
     Returns:
         tuple: The model wrapper, and ``find_unused_parameters`` as it
@@ -210,7 +185,8 @@ def build_engines(specs: EngineSpecs, model: nn.Module,
         logger.warning(unsupported)
         find_unused_parameters = False
     if not training and specs.zero_stage in (1, 2):
-        logger.info(evaluation_stage(specs))
+        logger.info(f'No optimizer (val/test only): ZeRO-{specs.zero_stage} has nothing to '
+                    'partition, using ZeRO-0 for this engine.')
     for spec in specs:
         spec.optimizer = optimizers.get(spec.name)
         if spec.optimizer is not None:
@@ -220,21 +196,22 @@ def build_engines(specs: EngineSpecs, model: nn.Module,
     for name, path in owned_submodules(model, {s.name: s.optimizer for s in specs}).items():
         specs[name].path = path
     before_partitioning(specs)
-    several = len(specs) > 1
+    several = specs.several
     if several:
         # Parameters in no optimizer (an EMA copy, frozen parts) join the
         # engines' device; each engine moves its own submodule.
         model.to(get_accelerator().current_device_name())
     for spec in specs:
-        spec.engine = build_engine(model.get_submodule(spec.path), spec.optimizer,
-                                   spec.ds_config)
+        module = model.get_submodule(spec.path)
+        spec.engine = build_engine(module, spec.optimizer,
+                                   spec.finish(module, universal=universal))
         logger.info(banner(spec.ds_config, world_size, spec.engine.module, training,
                            name=spec.name if several else None))
     cast_dtype = None if specs.precision == 'fp32' else DTYPES[specs.precision]
-    if several and cast_dtype is not None:
-        for spec in specs:
-            cast_inputs(spec.engine.module, cast_dtype)  # type: ignore[union-attr]
     if several:
+        for spec in specs:
+            if cast_dtype is not None:
+                cast_inputs(spec.engine.module, cast_dtype)  # type: ignore[union-attr]
         logger.info('One DeepSpeed engine per optimizer: ' + ', '.join(
             f'{name} -> model.{path}' for name, path in specs.modules().items()))
     note = precision_note(specs.bf16_requested(), specs.precision, cuda_available())
@@ -265,12 +242,10 @@ def wrap_optimizers(specs: EngineSpecs, find_unused_parameters: bool,
             accumulative_counts=spec.ds_config['gradient_accumulation_steps'],
             clip_max_norm=float(spec.ds_config['gradient_clipping']),
             find_unused_parameters=find_unused_parameters,
-            name=None if spec.name == SINGLE_ENGINE else spec.name,
-            forward_through_engine=len(specs) == 1 and not own_train_step)
+            name=spec.name if specs.several else None,
+            forward_through_engine=not specs.several and not own_train_step)
         for spec in specs if spec.optimizer is not None}
-    if SINGLE_ENGINE in wrappers:
-        return wrappers[SINGLE_ENGINE]
-    return OptimWrapperDict(**wrappers)
+    return OptimWrapperDict(**wrappers) if specs.several else wrappers[SINGLE_ENGINE]
 
 
 def left_unwrapped(model: nn.Module, model_wrapper_cfg: Optional[dict], world_size: int,

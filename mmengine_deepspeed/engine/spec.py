@@ -10,28 +10,58 @@ precision, micro-batch) asked of all of them, never of "the first".
 """
 from __future__ import annotations
 
+import copy
+import os.path as osp
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 from deepspeed import DeepSpeedEngine
 from mmengine.optim import OptimWrapper, OptimWrapperDict
+from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from ..compat import accumulative_counts
 from ..config.checks import get_value
+from ..config.model_settings import fit_to_model
 from ..config.resolve import (
     DsConfigSource,
     MMEngineSettings,
     bf16_request,
     precision,
     resolve_ds_config,
+    zero_stage,
 )
 from ..dist import cuda_available, native_bf16
+from ..zero.zero_dim import engine_config
+
+# torch optimizers that update each element from its own gradient and state
+# only, and therefore behave the same on ZeRO's flattened partitions. DeepSpeed
+# asks for ``zero_allow_untested_optimizer`` for all but Adam(W)/Adagrad; for
+# these we set it, for anything else (LARS, LAMB, Shampoo...) the user decides.
+ELEMENTWISE_OPTIMIZERS = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+    torch.optim.Adadelta, torch.optim.Adamax, torch.optim.RMSprop, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop,
+)
 
 # The name of the one engine of a single-optimizer model (and its checkpoint tag's).
 SINGLE_ENGINE = 'model'
+
+
+def engine_label(name: str) -> str:
+    """How the user's config names engine ``name`` (in messages)."""
+    return 'optim_wrapper' if name == SINGLE_ENGINE else f'optim_wrapper[{name!r}]'
+
+
+def named_wrappers(optim_wrapper: Any) -> dict[str, Any]:
+    """Optim wrappers by engine name: ``{'model': wrapper}`` for one, an
+    ``OptimWrapperDict``'s by its keys."""
+    if isinstance(optim_wrapper, OptimWrapperDict):
+        return dict(optim_wrapper.optim_wrappers)
+    return {SINGLE_ENGINE: optim_wrapper}
 
 
 @dataclass
@@ -54,11 +84,40 @@ class EngineSpec:
     path: str = ''
     optimizer: Optional[Optimizer] = None
     engine: Optional[DeepSpeedEngine] = None
+    finished: bool = False
 
-    @property
-    def label(self) -> str:
-        """How the user's config names it (in messages)."""
-        return 'optim_wrapper' if self.name == SINGLE_ENGINE else f'optim_wrapper[{self.name!r}]'
+    def finish(self, module: nn.Module, *, universal: bool = False) -> dict:
+        """Settle the ds_config once the module and the optimizer are known (the one step
+        after resolution; nothing edits it afterwards).
+
+        On a copy of the resolved config: ZeRO-0 for an evaluation engine asked for
+        ZeRO-1/2 (they partition optimizer states and gradients only, and DeepSpeed
+        refuses them without an optimizer; the weights are the same at stage 0);
+        ``zero_allow_untested_optimizer`` for an element-wise torch optimizer; a
+        universal checkpoint's load (``universal``, training engines); the settings that
+        depend on the module (``config/model_settings.py``).
+
+        Args:
+            module (nn.Module): The submodule the engine is built around.
+            universal (bool): The run resumes from a universal checkpoint.
+                Defaults to False.
+
+        Returns:
+            dict: What ``deepspeed.initialize`` gets: :attr:`ds_config`, or a copy
+            with clipping left to the optim wrapper (``zero/zero_dim.py``).
+        """
+        if self.finished:
+            raise RuntimeError(f'The ds_config of engine {self.name!r} was already finished.')
+        ds = copy.deepcopy(self.ds_config)
+        if self.optimizer is None and zero_stage(ds) in (1, 2):
+            ds['zero_optimization']['stage'] = 0
+        if isinstance(self.optimizer, ELEMENTWISE_OPTIMIZERS):
+            ds.setdefault('zero_allow_untested_optimizer', True)
+        if universal and self.optimizer is not None:
+            ds.setdefault('checkpoint', {})['load_universal'] = True
+        fit_to_model(ds, module)
+        self.ds_config, self.finished = ds, True
+        return engine_config(ds, module)
 
 
 class EngineSpecs:
@@ -77,6 +136,24 @@ class EngineSpecs:
         self.source = source
         self.config_dir = config_dir
         self._specs = {name: EngineSpec(name, s) for name, s in settings.items()}
+        self._resolved_for: Optional[tuple[Optional[int]]] = None  # (world_size,) once resolved
+
+    @classmethod
+    def of_run(cls, ds_config: DsConfigSource, config_file: Optional[str],
+               train_dataloader: Any, optim_wrapper: Any, param_scheduler: Any) -> EngineSpecs:
+        """A run's engines as its config (or the Runner's arguments) describes them: the
+        one construction the runner and ``plan`` share.
+
+        Args:
+            ds_config (dict | str | None): The user's ds_config.
+            config_file (str, optional): The MMEngine config's file (a relative
+                JSON path is read from its directory).
+            train_dataloader (Any): Runner argument.
+            optim_wrapper (Any): Runner argument.
+            param_scheduler (Any): Runner argument.
+        """
+        return cls(ds_config, osp.dirname(osp.abspath(config_file)) if config_file else None,
+                   mmengine_settings(train_dataloader, optim_wrapper, param_scheduler))
 
     def __iter__(self) -> Iterator[EngineSpec]:
         return iter(self._specs.values())
@@ -87,17 +164,37 @@ class EngineSpecs:
     def __getitem__(self, name: str) -> EngineSpec:
         return self._specs[name]
 
+    @property
+    def several(self) -> bool:
+        """Whether the model has several engines (one per optimizer of an
+        ``OptimWrapperDict``), each around a submodule."""
+        return len(self._specs) > 1
+
+    def use_settings(self, settings: dict[str, MMEngineSettings]) -> None:
+        """Follow MMEngine's settings as ``train()`` built them (the optim wrappers may
+        differ from the config's); resolved again only where they changed."""
+        if {name: spec.settings for name, spec in self._specs.items()} != settings:
+            self._specs = {name: EngineSpec(name, s) for name, s in settings.items()}
+            self._resolved_for = None
+
     def resolve(self, world_size: Optional[int]) -> None:
-        """Resolve every engine's ds_config (``world_size`` None: checks only).
+        """Resolve every engine's ds_config (``world_size`` None: checks only), once per
+        world size and settings.
 
         Raises:
             DsConfigError: The ds_config conflicts with MMEngine's config.
         """
+        if self._resolved_for == (world_size,):
+            return
+        if any(spec.finished for spec in self):
+            raise RuntimeError('The engines\' ds_configs were finished; they are not resolved '
+                               'again.')
         for spec in self:
             spec.ds_config = resolve_ds_config(
                 self.source, spec.settings, world_size=world_size,
                 cuda_available=cuda_available(), config_dir=self.config_dir,
                 native_bf16=native_bf16())
+        self._resolved_for = (world_size,)
 
     def shared(self, key: str) -> Any:
         """A ds_config value every engine has alike (``zero_optimization.stage``...).
@@ -175,6 +272,7 @@ class EngineSpecs:
             has_optim_wrapper=any(s.has_optim_wrapper for s in every),
             has_param_scheduler=any(s.has_param_scheduler for s in every))
         self._specs = {SINGLE_ENGINE: EngineSpec(SINGLE_ENGINE, settings)}
+        self._resolved_for = None
 
 
 # Keys of a several-optimizer ``optim_wrapper`` config that are not optimizer names.
@@ -282,6 +380,4 @@ def as_plain_wrappers(optim_wrapper: Any, only_ours: bool = False) -> Any:
 
 def named_optimizers(built: Any) -> dict[str, Optimizer]:
     """The optimizers MMEngine built, by engine name."""
-    if isinstance(built, OptimWrapperDict):
-        return {name: wrapper.optimizer for name, wrapper in built.optim_wrappers.items()}
-    return {SINGLE_ENGINE: built.optimizer}
+    return {name: wrapper.optimizer for name, wrapper in named_wrappers(built).items()}

@@ -67,8 +67,9 @@ class DeepSpeedEMAHook(EMAHook):
         self._averaged: Optional[dict[str, torch.Tensor]] = None
         self._steps: Optional[int] = None  # the averaged model's step count, as a number
 
-    def take_template(self, model: nn.Module) -> None:
-        """Keep an fp32 copy of the bare model (called before ``deepspeed.initialize``).
+    def before_partitioning(self, runner: Any, model: nn.Module) -> None:
+        """Keep an fp32 copy of the bare model: DeepSpeedRunner's hook event between
+        the optimizers and ``deepspeed.initialize``.
 
         A model built partitioned (``zero.Init``) is gathered for the copy,
         whose parameters are plain: the averaged model is whole on every rank.

@@ -8,26 +8,16 @@ registers it.
 """
 from __future__ import annotations
 
-import resource
-import sys
 import time
 from typing import Any, Optional
 
-import torch
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 from typing_extensions import override
 
 from ..plan.saved import SavedTensorCounter
+from ..process_memory import peak_memory_mb
 from .agreement import agreement_of, logging_interval
-
-
-def peak_memory_mb() -> float:
-    """This process's peak memory: CUDA allocator peak if on CUDA, else peak RSS."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_allocated() / 2**20
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == 'darwin' else peak / 2**10  # bytes vs KiB
 
 
 def _reason(error: Exception) -> str:

@@ -36,12 +36,12 @@ from types import FrameType
 from typing import Any, Optional
 
 from mmengine.hooks import CheckpointHook, Hook
-from mmengine.optim import OptimWrapperDict
 from mmengine.registry import HOOKS
 from typing_extensions import override
 
 from ..checkpoint.layout import LAST_CHECKPOINT, write_text_atomic
 from ..compat import save_with_checkpoint_hook
+from ..engine.spec import named_wrappers
 from .agreement import agreement_of
 
 DEFAULT_SIGNALS = ('SIGTERM', 'SIGUSR1')
@@ -93,6 +93,11 @@ class PreemptionHook(Hook):
         self.interval = interval
         self.received: Optional[int] = None
         self._stop: Optional[list[int]] = None  # each rank's signal, once agreed
+
+    def during_train(self, runner: Any, stack: contextlib.ExitStack) -> None:
+        """DeepSpeedRunner's hook event at the start of ``train()``: the signals are
+        caught until ``stack`` (``train()``'s) closes, however ``train()`` ends."""
+        stack.enter_context(self.catching_signals())
 
     @contextlib.contextmanager
     def catching_signals(self) -> Iterator[None]:
@@ -152,9 +157,7 @@ class PreemptionHook(Hook):
 def _at_update_boundary(optim_wrapper: Any) -> bool:
     """Whether the last iteration updated the parameters (no accumulated gradients
     are pending, which a checkpoint would not hold)."""
-    wrappers = (optim_wrapper.values() if isinstance(optim_wrapper, OptimWrapperDict)
-                else [optim_wrapper])
-    return all(w.should_update() for w in wrappers)
+    return all(w.should_update() for w in named_wrappers(optim_wrapper).values())
 
 
 def save_preemption_checkpoint(runner: Any) -> str:

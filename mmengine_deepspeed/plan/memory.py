@@ -1,6 +1,6 @@
 """Bytes per rank for one engine layout: DeepSpeed's model states, buffers and transients.
 
-One :class:`Layout` (ZeRO stage, offload, precision, ranks, micro-batch) and
+One :class:`MemoryLayout` (ZeRO stage, offload, precision, ranks, micro-batch) and
 an engine's census give the parts DeepSpeed 0.19 allocates on each rank, as
 its ZeRO optimizers lay them out (``stage_1_and_2.py``, ``stage3.py``,
 ``bf16_optimizer.py``). The peak is the larger of two moments of a step:
@@ -42,7 +42,7 @@ CPU_RUNTIME_MIB = {0: 40.0, 1: 230.0, 2: 160.0, 3: 80.0}
 
 
 @dataclass(frozen=True)
-class Layout:
+class MemoryLayout:
     """How one planned run lays out its engines.
 
     Args:
@@ -93,12 +93,12 @@ class Breakdown:
         return self.held + max(self.backward + activations, self.after_backward, self.step)
 
 
-def engine_bytes(engine: EngineCensus, layout: Layout, zero: dict) -> Breakdown:
+def engine_bytes(engine: EngineCensus, layout: MemoryLayout, zero: dict) -> Breakdown:
     """One engine's bytes on one rank under ``layout``.
 
     Args:
         engine (EngineCensus): What the engine holds and steps.
-        layout (Layout): The row being planned.
+        layout (MemoryLayout): The row being planned.
         zero (dict): The resolved ``zero_optimization`` section (bucket sizes, limits).
     """
     n, p = layout.ranks, layout.compute_bytes
@@ -149,7 +149,7 @@ def engine_bytes(engine: EngineCensus, layout: Layout, zero: dict) -> Breakdown:
     return out
 
 
-def activation_bytes(activations: Activations, layout: Layout) -> float:
+def activation_bytes(activations: Activations, layout: MemoryLayout) -> float:
     """Activations saved for backward at the layout's micro-batch and compute dtype."""
     return activations.bytes_at(layout.micro_batch, layout.compute_bytes)
 

@@ -14,24 +14,24 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import os.path as osp
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from mmengine.config import Config
 from torch import nn
 
+from ..config.checks import offload_devices
 from ..config.model_settings import fit_zero3_sizes
-from ..config.resolve import precision
 from ..dist import cuda_available
-from ..engine.spec import EngineSpecs, mmengine_settings
+from ..engine.spec import EngineSpecs
+from ..process_memory import rss_mib
 from .activations import Activations, one_batch, trace_activations
 from .census import EngineCensus, census, meta_model
 from .memory import (
     CPU_RUNTIME_MIB,
     MIB,
     Breakdown,
-    Layout,
+    MemoryLayout,
     activation_bytes,
     cpu_heap_kept,
     engine_bytes,
@@ -97,17 +97,6 @@ class Plan:
                     notes=self.notes)
 
 
-def rss_mib() -> float:
-    """This process's resident memory now (Linux), MiB; 0 where /proc is missing."""
-    if not osp.exists('/proc/self/status'):
-        return 0.0
-    with open('/proc/self/status') as status:
-        for line in status:
-            if line.startswith('VmRSS:'):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def _total_memory_mib() -> float:
     with open('/proc/meminfo') as meminfo:
         for line in meminfo:
@@ -116,15 +105,13 @@ def _total_memory_mib() -> float:
     raise RuntimeError('no MemTotal in /proc/meminfo: give --device-memory and --host-memory')
 
 
-def _configs(cfg: Config, ranks: int) -> dict[str, dict]:
-    """Each engine's ds_config as ``train`` resolves it for ``ranks`` ranks."""
-    filename = getattr(cfg, 'filename', None)
-    specs = EngineSpecs(cfg.get('ds_config'),
-                        osp.dirname(osp.abspath(filename)) if filename else None,
-                        mmengine_settings(cfg.get('train_dataloader'), cfg.get('optim_wrapper'),
-                                          cfg.get('param_scheduler')))
+def _specs(cfg: Config, ranks: int) -> EngineSpecs:
+    """The engines as ``train`` builds them from ``cfg``, resolved for ``ranks`` ranks."""
+    specs = EngineSpecs.of_run(cfg.get('ds_config'), getattr(cfg, 'filename', None),
+                               cfg.get('train_dataloader'), cfg.get('optim_wrapper'),
+                               cfg.get('param_scheduler'))
     specs.resolve(world_size=ranks)
-    return {spec.name: spec.ds_config for spec in specs}
+    return specs
 
 
 def _row_zero(ds_config: dict, stage: int, offload_opt: bool, offload_param: bool,
@@ -162,16 +149,16 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
         raise ValueError(f'--nproc {nproc} --nnodes {nnodes}: give at least 1 of each.')
     ranks = nproc * nnodes
     cuda = cuda_available()
-    configs = _configs(cfg, ranks)
+    specs = _specs(cfg, ranks)
     model = meta_model(cfg)
     engines = census(cfg, model)
     batch = one_batch(cfg)
-    micro_batch = int(next(iter(configs.values()))['train_micro_batch_size_per_gpu'])
+    micro_batch = int(specs.shared('train_micro_batch_size_per_gpu'))
     gc.collect()
     fixed = 0.0 if cuda else rss_mib()
     activations = trace_activations(cfg, meta_model(cfg), batch, micro_batch,
                                     [engine.name for engine in engines])
-    mode = precision(next(iter(configs.values())))
+    mode = specs.precision
     compute_bytes = 4 if mode == 'fp32' else 2
     if device_memory_gib is not None:
         device_mib = device_memory_gib * 1024
@@ -185,8 +172,8 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
                 engines, activations)
     for stage, offload_opt, offload_param in ROWS:
         zeros = {name: _row_zero(ds, stage, offload_opt, offload_param, model)
-                 for name, ds in configs.items()}
-        row = _RowModel(engines, zeros, activations, Layout(
+                 for name, ds in specs.configs().items()}
+        row = _RowModel(engines, zeros, activations, MemoryLayout(
             stage, offload_opt, offload_param, compute_bytes, ranks, micro_batch, cuda),
             fixed, nproc)
         predicted, host = row.peak_mib(micro_batch)
@@ -212,7 +199,7 @@ class _RowModel:
     engines: list[EngineCensus]
     zeros: dict[str, dict]
     activations: Activations
-    layout: Layout
+    layout: MemoryLayout
     fixed: float
     nproc: int
 
@@ -241,14 +228,14 @@ class _RowModel:
         return largest
 
 
-def predicted_peak_mib(cfg: Config, ds_configs: dict[str, dict], ranks: int, nproc: int,
+def predicted_peak_mib(cfg: Config, specs: EngineSpecs, ranks: int, nproc: int,
                        batch: Any, fixed_mib: float,
                        measured: Optional[tuple[nn.Module, tuple[int, int]]] = None) -> float:
     """The plan's peak per rank for the layout a run has (the training banner's prediction).
 
     Args:
         cfg (Config): The run's config (its model as a dict).
-        ds_configs (dict[str, dict]): Each engine's ds_config as the engines were built.
+        specs (EngineSpecs): The engines, built (their finished ds_configs).
         ranks (int): World size.
         nproc (int): Ranks on this node.
         batch (Any): One batch as the loop hands it to ``train_step``.
@@ -263,9 +250,8 @@ def predicted_peak_mib(cfg: Config, ds_configs: dict[str, dict], ranks: int, npr
             ``measured`` (no probe here: a second model would raise the memory being
             predicted).
     """
-    first = next(iter(ds_configs.values()))
-    micro_batch = int(first['train_micro_batch_size_per_gpu'])
-    compute_bytes = 4 if precision(first) == 'fp32' else 2
+    micro_batch = int(specs.shared('train_micro_batch_size_per_gpu'))
+    compute_bytes = 4 if specs.precision == 'fp32' else 2
     if measured is None:
         engines = census(cfg, meta_model(cfg, for_real=False))
         activations = trace_activations(cfg, meta_model(cfg, for_real=False), batch,
@@ -277,12 +263,12 @@ def predicted_peak_mib(cfg: Config, ds_configs: dict[str, dict], ranks: int, npr
             model = meta_model(cfg, for_real=False)
         engines = census(cfg, model)
         activations = Activations(floats, others, compute_bytes, micro_batch, 'measured')
-    zero = first.get('zero_optimization') or {}
-    offloaded = {part: (zero.get(f'offload_{part}') or {}).get('device', 'none') != 'none'
-                 for part in ('optimizer', 'param')}
-    layout = Layout(int(zero.get('stage', 0)), offloaded['optimizer'], offloaded['param'],
-                    compute_bytes, ranks, micro_batch, cuda_available())
-    zeros = {name: ds.get('zero_optimization') or {} for name, ds in ds_configs.items()}
+    offload_optimizer, offload_param = offload_devices(specs.process_config(
+        'zero_optimization.offload_optimizer', 'zero_optimization.offload_param'))
+    layout = MemoryLayout(specs.zero_stage, offload_optimizer is not None,
+                          offload_param is not None, compute_bytes, ranks, micro_batch,
+                          cuda_available())
+    zeros = {name: ds.get('zero_optimization') or {} for name, ds in specs.configs().items()}
     return _RowModel(engines, zeros, activations, layout, fixed_mib, nproc).peak_mib(
         micro_batch)[0]
 

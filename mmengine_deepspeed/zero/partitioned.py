@@ -355,14 +355,14 @@ def gather_on_use(model: nn.Module) -> AbstractContextManager:
     return GatherOnUse(model) if is_partitioned(model) else nullcontext()
 
 
-def build_advice(model: Any, stage: int, zero_init: bool, engines: int) -> Optional[str]:
+def build_advice(model: Any, stage: int, zero_init: bool, several: bool) -> Optional[str]:
     """Why a ZeRO-3 model is built whole on every rank, with what to do instead.
 
     Args:
         model (nn.Module | dict): The runner's ``model`` argument.
         stage (int): The ZeRO stage.
         zero_init (bool): The runner's ``zero_init`` switch.
-        engines (int): How many engines (optimizers) the model gets.
+        several (bool): The model gets several engines (one per optimizer).
 
     Returns:
         str | None: The line to log, or None when the model is built
@@ -374,7 +374,7 @@ def build_advice(model: Any, stage: int, zero_init: bool, engines: int) -> Optio
         return ('The model was passed built, so every rank held it whole before ZeRO-3 '
                 'partitioned it; pass its config instead (model=dict(type=...)) and '
                 'DeepSpeedRunner builds it partitioned (deepspeed.zero.Init).')
-    if engines > 1:
+    if several:
         return ('Several optimizers: the model is built whole on every rank and each engine '
                 'partitions its own submodule (deepspeed.zero.Init builds for one engine).')
     return None

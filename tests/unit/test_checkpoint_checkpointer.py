@@ -41,11 +41,10 @@ from mmengine_deepspeed.checkpoint.parts import (
     Part,
     RankStatePart,
     SchedulersPart,
-    named_wrappers,
 )
-from mmengine_deepspeed.checkpoint.plan import ResumeKind
+from mmengine_deepspeed.checkpoint.resume_plan import ResumeKind
 from mmengine_deepspeed.config.resolve import MMEngineSettings
-from mmengine_deepspeed.engine.spec import SINGLE_ENGINE, EngineSpecs
+from mmengine_deepspeed.engine.spec import SINGLE_ENGINE, EngineSpecs, named_wrappers
 
 LOGGER = logging.getLogger('test_checkpointer')
 

@@ -27,7 +27,7 @@ from mmengine_deepspeed.checkpoint.layout import (
     find_latest_complete,
 )
 from mmengine_deepspeed.checkpoint.load_weights import load_weights_into, read_weights
-from mmengine_deepspeed.checkpoint.reshard import Layout, check_reshardable, needs_universal
+from mmengine_deepspeed.checkpoint.reshard import Sharding, check_reshardable, needs_universal
 from mmengine_deepspeed.checkpoint.safe_load import check_pickles, safe_load
 from mmengine_deepspeed.checkpoint.state import (
     hub_state,
@@ -306,7 +306,7 @@ def test_old_checkpoint_removal_order(tmp_path: Any, hook: str, before_second_sa
     ((2, 2), (2, 2), False), ((2, 0), (1, 0), False), ((2, 2), (1, 2), True),
     ((1, 3), (2, 3), True), ((2, 1), (2, 3), True), ((2, 2), (2, 1), True)])
 def test_supported_layout_changes(saved: tuple, current: tuple, universal: bool) -> None:
-    assert needs_universal(Layout(*saved), Layout(*current), 'ck') is universal
+    assert needs_universal(Sharding(*saved), Sharding(*current), 'ck') is universal
 
 
 @pytest.mark.parametrize(('saved', 'current', 'fragment'), [
@@ -316,7 +316,7 @@ def test_supported_layout_changes(saved: tuple, current: tuple, universal: bool)
 def test_unsupported_layout_changes_fail_early(saved: tuple, current: tuple,
                                                fragment: str) -> None:
     with pytest.raises(CheckpointError, match=fragment):
-        needs_universal(Layout(*saved), Layout(*current), 'ck')
+        needs_universal(Sharding(*saved), Sharding(*current), 'ck')
 
 
 def test_resharding_needs_adam_style_optimizer_states() -> None:

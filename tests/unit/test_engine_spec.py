@@ -10,6 +10,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 from mmengine_deepspeed.engine.spec import (
     EngineSpecs,
     as_plain_wrappers,
+    engine_label,
     is_several,
     mmengine_settings,
 )
@@ -85,9 +86,11 @@ def test_specs_resolve_each_engine_and_share_what_must_agree() -> None:
     assert specs.shared('train_micro_batch_size_per_gpu') == 4
     with pytest.raises(RuntimeError, match='disagree on gradient_accumulation_steps'):
         specs.shared('gradient_accumulation_steps')
-    assert specs['generator'].label == "optim_wrapper['generator']"
+    assert specs.several and engine_label('generator') == "optim_wrapper['generator']"
+    assert engine_label('model') == 'optim_wrapper'
     specs.for_evaluation()
     assert [spec.name for spec in specs] == ['model'] and not specs.built
+    assert not specs.several
 
 
 def test_batch_size_of_a_loader_with_a_batch_sampler() -> None:
@@ -97,3 +100,55 @@ def test_batch_size_of_a_loader_with_a_batch_sampler() -> None:
     loader = DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), 3, False))
     side, = mmengine_settings(loader, dict(optimizer=dict(type='SGD', lr=0.1)), None).values()
     assert side.batch_size == 3
+
+
+def _resolved(ds_config: dict, world_size: int = 2) -> EngineSpecs:
+    specs = EngineSpecs.of_run(ds_config, None, dict(batch_size=4),
+                               dict(optimizer=dict(type='SGD', lr=0.1)), None)
+    specs.resolve(world_size=world_size)
+    return specs
+
+
+def test_finishing_settles_a_copy_once() -> None:
+    """The one step after resolution: the resolved config is never edited; what DeepSpeed
+    gets is decided by the module, the optimizer and the resume plan, and only once."""
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    specs = _resolved({'zero_optimization': {'stage': 2}, 'bf16': {'enabled': True}})
+    spec = specs['model']
+    resolved = spec.ds_config
+    spec.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    given = spec.finish(model, universal=True)
+    assert 'zero_allow_untested_optimizer' not in resolved and 'checkpoint' not in resolved
+    assert spec.ds_config is not resolved and spec.finished
+    assert given['zero_allow_untested_optimizer'] is True
+    assert given['checkpoint']['load_universal'] is True
+    assert given['data_types']['buffer_dtype'] == 'bf16'  # BatchNorm under bf16
+    with pytest.raises(RuntimeError, match='already finished'):
+        spec.finish(model)
+    with pytest.raises(RuntimeError, match='not resolved again'):
+        specs.resolve(world_size=4)
+
+
+def test_an_evaluation_engine_finishes_at_zero_0_without_a_universal_load() -> None:
+    from torch import nn
+
+    specs = _resolved({'zero_optimization': {'stage': 1}})
+    given = specs['model'].finish(nn.Linear(2, 2), universal=True)
+    assert given['zero_optimization']['stage'] == 0 and 'checkpoint' not in given
+
+
+def test_resolution_runs_once_per_world_size_and_settings() -> None:
+    specs = _resolved({'zero_optimization': {'stage': 2}})
+    first = specs['model'].ds_config
+    specs.resolve(world_size=2)
+    assert specs['model'].ds_config is first  # not resolved again
+    specs.use_settings({'model': specs['model'].settings})
+    specs.resolve(world_size=2)
+    assert specs['model'].ds_config is first  # same settings: kept
+    specs.use_settings(mmengine_settings(dict(batch_size=8),
+                                         dict(optimizer=dict(type='SGD', lr=0.1)), None))
+    specs.resolve(world_size=2)
+    assert specs['model'].ds_config['train_micro_batch_size_per_gpu'] == 8

@@ -70,11 +70,11 @@ def test_nvme_offload_is_checked_when_the_runner_is_created(tmp_path: Any) -> No
 
 
 def test_when_the_model_is_built_whole_and_why() -> None:
-    assert build_advice({'type': 'ToyModel'}, 3, zero_init=True, engines=1) is None
-    assert 'pass its config' in build_advice(ToyModel(), 3, zero_init=True, engines=1)
-    assert 'Several optimizers' in build_advice({'type': 'ToyModel'}, 3, True, engines=2)
-    assert build_advice(ToyModel(), 3, zero_init=False, engines=1) is None
-    assert build_advice(ToyModel(), 2, True, 1) is None
+    assert build_advice({'type': 'ToyModel'}, 3, zero_init=True, several=False) is None
+    assert 'pass its config' in build_advice(ToyModel(), 3, zero_init=True, several=False)
+    assert 'Several optimizers' in build_advice({'type': 'ToyModel'}, 3, True, several=True)
+    assert build_advice(ToyModel(), 3, zero_init=False, several=False) is None
+    assert build_advice(ToyModel(), 2, True, False) is None
 
 
 def test_zero_init_switch_reads_the_config(tmp_path: Any) -> None:

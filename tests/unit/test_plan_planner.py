@@ -13,7 +13,7 @@ import mmengine_deepspeed.demo  # noqa: F401  registers TinyGPT
 from mmengine_deepspeed.cli import main
 from mmengine_deepspeed.plan.activations import Activations
 from mmengine_deepspeed.plan.census import EngineCensus
-from mmengine_deepspeed.plan.memory import Layout, engine_bytes
+from mmengine_deepspeed.plan.memory import MemoryLayout, engine_bytes
 from tests.helpers import ToyModel
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -121,11 +121,11 @@ def _engine(params: int = 10_000_000) -> EngineCensus:
                         params // 10, 'AdamW', 2)
 
 
-def _layout(stage: int, **changes: object) -> Layout:
+def _layout(stage: int, **changes: object) -> MemoryLayout:
     values = dict(stage=stage, offload_optimizer=False, offload_param=False, compute_bytes=4,
                   ranks=2, micro_batch=1, cuda=False)
     values.update(changes)
-    return Layout(**values)  # type: ignore[arg-type]
+    return MemoryLayout(**values)  # type: ignore[arg-type]
 
 
 def test_model_states_divide_by_the_ranks_as_zero_partitions_them() -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .layout import check_checkpoint, find_latest_complete, has_optimizer_state
-from .reshard import Layout, needs_universal
+from .reshard import Sharding, needs_universal
 
 
 class ResumeKind(enum.Enum):
@@ -43,7 +43,7 @@ class ResumePlan:
         return self.kind in (ResumeKind.FULL, ResumeKind.UNIVERSAL, ResumeKind.WEIGHTS_ONLY)
 
 
-def plan_for(path: str, current: Layout) -> ResumePlan:
+def plan_for(path: str, current: Sharding) -> ResumePlan:
     """How resuming checkpoint directory ``path`` goes on ``current`` (checks it first).
 
     Raises:
@@ -53,13 +53,13 @@ def plan_for(path: str, current: Layout) -> ResumePlan:
     meta = check_checkpoint(path)
     if not has_optimizer_state(meta):
         return ResumePlan(ResumeKind.WEIGHTS_ONLY, path)
-    saved = Layout(meta['world_size'], meta['zero_stage'])
+    saved = Sharding(meta['world_size'], meta['zero_stage'])
     if needs_universal(saved, current, path):
         return ResumePlan(ResumeKind.UNIVERSAL, path)
     return ResumePlan(ResumeKind.FULL, path)
 
 
-def resolve_plan(*, resume: bool, path: Optional[str], work_dir: str, current: Layout,
+def resolve_plan(*, resume: bool, path: Optional[str], work_dir: str, current: Sharding,
                  logger: Any) -> ResumePlan:
     """The plan for MMEngine's ``resume`` / ``load_from`` arguments.
 
@@ -68,7 +68,7 @@ def resolve_plan(*, resume: bool, path: Optional[str], work_dir: str, current: L
         path (str, optional): ``load_from`` (with ``resume``: the checkpoint
             to continue; None takes the latest complete one in ``work_dir``).
         work_dir (str): Where checkpoints are.
-        current (Layout): This run's layout.
+        current (Sharding): This run's layout.
         logger (Any): For skipped incomplete checkpoints and a resume with
             nothing to resume.
 

@@ -1,4 +1,4 @@
-"""checkpoint/plan.py: the resume plan, one test per kind, from the checkpoint on disk."""
+"""checkpoint/resume_plan.py: the resume plan, one test per kind, from the checkpoint on disk."""
 from __future__ import annotations
 
 import logging
@@ -8,15 +8,15 @@ from typing import Any
 import pytest
 
 from mmengine_deepspeed.checkpoint.layout import LAST_CHECKPOINT, CheckpointError
-from mmengine_deepspeed.checkpoint.plan import ResumeKind, ResumePlan, resolve_plan
-from mmengine_deepspeed.checkpoint.reshard import Layout
+from mmengine_deepspeed.checkpoint.reshard import Sharding
+from mmengine_deepspeed.checkpoint.resume_plan import ResumeKind, ResumePlan, resolve_plan
 from tests.unit.test_checkpoint_files import make_checkpoint
 
 LOGGER = logging.getLogger('plan-test')
-ZERO2_ON_2 = Layout(world_size=2, zero_stage=2)
+ZERO2_ON_2 = Sharding(world_size=2, zero_stage=2)
 
 
-def plan(tmp_path: Any, current: Layout = ZERO2_ON_2, **kwargs: Any) -> ResumePlan:
+def plan(tmp_path: Any, current: Sharding = ZERO2_ON_2, **kwargs: Any) -> ResumePlan:
     return resolve_plan(work_dir=str(tmp_path), current=current, logger=LOGGER,
                         **{'resume': True, 'path': None, **kwargs})
 
@@ -55,21 +55,21 @@ def test_latest_complete_checkpoint_is_found_and_incomplete_ones_skipped(
 
 def test_another_world_size_reshards_through_a_universal_checkpoint(tmp_path: Any) -> None:
     path = make_checkpoint(str(tmp_path / 'iter_4.pth'), world_size=2, zero_stage=2)
-    assert plan(tmp_path, Layout(1, 2), path=path) == ResumePlan(ResumeKind.UNIVERSAL, path)
+    assert plan(tmp_path, Sharding(1, 2), path=path) == ResumePlan(ResumeKind.UNIVERSAL, path)
 
 
 def test_zero0_state_is_whole_on_any_world_size(tmp_path: Any) -> None:
     path = make_checkpoint(str(tmp_path / 'iter_4.pth'), world_size=2, zero_stage=0)
-    assert plan(tmp_path, Layout(1, 0), path=path) == ResumePlan(ResumeKind.FULL, path)
+    assert plan(tmp_path, Sharding(1, 0), path=path) == ResumePlan(ResumeKind.FULL, path)
 
 
 def test_weights_only_checkpoint_resumes_without_optimizer_state(tmp_path: Any) -> None:
     path = make_checkpoint(str(tmp_path / 'iter_4.pth'), world_size=2, zero_stage=2,
                            optimizer_state=False)
-    assert plan(tmp_path, Layout(1, 3), path=path) == ResumePlan(ResumeKind.WEIGHTS_ONLY, path)
+    assert plan(tmp_path, Sharding(1, 3), path=path) == ResumePlan(ResumeKind.WEIGHTS_ONLY, path)
 
 
 def test_an_impossible_layout_change_is_refused_when_planning(tmp_path: Any) -> None:
     path = make_checkpoint(str(tmp_path / 'iter_4.pth'), world_size=2, zero_stage=2)
     with pytest.raises(CheckpointError, match='Changing between ZeRO-0 and ZeRO-1/2/3'):
-        plan(tmp_path, Layout(2, 0), path=path)
+        plan(tmp_path, Sharding(2, 0), path=path)
