@@ -47,6 +47,13 @@ def match_norm_buffers(ds_config: dict, model: nn.Module) -> None:
     data_types.setdefault('buffer_dtype', mode)
 
 
+def largest_layer(model: nn.Module) -> int:
+    """The most parameter elements one module holds itself (its own, not its children's):
+    what ZeRO-3 gathers at once, and what its buffers are sized to."""
+    return max((sum(full_numel(p) for p in module.parameters(recurse=False))
+                for module in model.modules()), default=0)
+
+
 def zero3_sizes(model: nn.Module) -> dict[str, int]:
     """ZeRO-3's buffer and limit settings sized to ``model`` rather than to billions of parameters.
 
@@ -70,8 +77,7 @@ def zero3_sizes(model: nn.Module) -> dict[str, int]:
     Returns:
         dict[str, int]: ``zero_optimization`` keys and values.
     """
-    largest = max((sum(full_numel(p) for p in m.parameters(recurse=False))
-                   for m in model.modules()), default=0)
+    largest = largest_layer(model)
     trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
     layer = min(DEEPSPEED_REDUCE_BUCKET, max(ZERO3_FLOOR, largest))
     return dict(reduce_bucket_size=max(1, min(layer, trainable)),

@@ -20,6 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..compat import full_numel
+from ..config.model_settings import largest_layer
 from ..engine.build import owned_submodules
 from ..engine.spec import as_plain_wrappers, named_optimizers
 from ..zero.partitioned import construction_failure
@@ -157,8 +158,7 @@ def census(cfg: Config, model: nn.Module) -> list[EngineCensus]:
             name=name, path=path, numels=[full_numel(p) for p in params],
             trainable=sum(full_numel(p) for p in params if id(p) in stepped),
             dtypes=dict(_by_dtype(params)),
-            largest_layer=max((sum(full_numel(p) for p in m.parameters(recurse=False))
-                               for m in module.modules()), default=0),
+            largest_layer=largest_layer(module),
             optimizer=type(optimizer).__name__, states=states, states_note=note))
     return engines
 

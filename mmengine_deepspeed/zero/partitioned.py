@@ -60,6 +60,7 @@ from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
 from ..compat import full_numel, full_shape, is_released, is_zero3_param, set_full_shape
+from ..config.model_settings import largest_layer
 from .zero_dim import SCALAR_SHAPE, broadcastable
 
 
@@ -278,13 +279,6 @@ PARAMETER_QUERIES = _getters('dtype', 'device', 'requires_grad', 'is_leaf', 'gra
     torch.Tensor.requires_grad_}
 
 
-def largest_submodule(model: nn.Module) -> int:
-    """Elements of the largest set of one module's own parameters."""
-    return max((sum(full_numel(p)
-                    for p in module.parameters(recurse=False))
-                for module in model.modules()), default=0)
-
-
 class GatherOnUse(TorchFunctionMode):
     """Inside the block, ZeRO-3 parameters are whole wherever torch touches them.
 
@@ -300,7 +294,7 @@ class GatherOnUse(TorchFunctionMode):
 
     def __init__(self, model: nn.Module):
         super().__init__()
-        self._budget = largest_submodule(model)
+        self._budget = largest_layer(model)
         self._held: OrderedDict[int, tuple[nn.Parameter, Any]] = OrderedDict()
         self._numel = 0
         self.peak_numel = 0
