@@ -45,7 +45,7 @@ PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
      'overridden: publishing from a checkpoint directory (tests/dist/test_checkpoint_hook.py)'),
     ('mmengine.runner.loops', None, '_InfiniteDataloaderIterator',
      'subclassed: the iteration loop\'s iterator keeps MMEngine\'s type '
-     '(tests/unit/test_stop_and_resume.py)'),
+     '(tests/unit/test_checkpoint_data_order.py)'),
     ('mmengine.hooks', 'EMAHook', '_ema_started',
      'whether EMA averaging began (tests/dist/test_checkpoint.py EMA cases)'),
     ('mmengine.runner', 'Runner', '_init_model_weights',
@@ -211,7 +211,7 @@ def has_separate_master(param: torch.Tensor) -> bool:
 # --- MMEngine ---------------------------------------------------------------------------
 
 # IterBasedTrainLoop.dataloader_iterator's type, which code (and MMEngine's own tests)
-# checks: the resumable loop's iterator subclasses it (tests/unit/test_stop_and_resume.py).
+# checks: the resumable loop's iterator subclasses it (tests/unit/test_checkpoint_data_order.py).
 InfiniteDataloaderIterator = _InfiniteDataloaderIterator
 
 def accumulative_counts(wrapper: Any) -> int:
