@@ -226,6 +226,13 @@ def count_backward(wrapper: Any) -> None:
     wrapper._inner_count += 1
 
 
+def found_inf_supported(optimizer: Any) -> bool:
+    """Whether ``optimizer.step()`` skips on the device when given ``found_inf``: torch's
+    fused optimizers, which set ``_step_supports_amp_scaling`` (read by
+    ``torch.amp.GradScaler``; no public flag). Pinned by tests/unit/test_compat.py."""
+    return bool(getattr(optimizer, '_step_supports_amp_scaling', False))
+
+
 def ema_started(hook: Any, runner: Any) -> bool:
     """Whether MMEngine's ``EMAHook`` has begun averaging (its ``begin_iter`` /
     ``begin_epoch``; ``EMAHook._ema_started``, no public one)."""

@@ -12,8 +12,10 @@ semantics exactly, so a config behaves as it did without DeepSpeed:
   MMEngine built, which DeepSpeed's ZeRO optimizers step with, so
   ``param_scheduler`` and ``LoggerHook`` work unchanged;
 * clipping is DeepSpeed's ``gradient_clipping`` (global L2 norm over every
-  partition); the norm, and under fp16 the loss scale and skipped steps, are
-  published to the message hub for the logger.
+  partition); the norm, the count of skipped (non-finite) updates and under fp16
+  the loss scale are published to the message hub for the logger;
+* a step whose loss or gradients are not finite is skipped on every rank, at
+  every stage and precision (``engine/nonfinite.py``).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from typing_extensions import override
 
 from ..compat import backward_prologue, count_backward
 from ..zero.unused_params import UsedParameters, with_every_parameter
+from .nonfinite import StepCheck, guard_loss
 
 
 # force=True: importing mmengine.runner (done above, so that the order is
@@ -84,6 +87,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         self.find_unused_parameters = find_unused_parameters
         self._used_parameters = UsedParameters()
         self._named: Optional[tuple[list[str], list[nn.Parameter]]] = None
+        self.step_check = StepCheck(engine)
 
     @override
     def update_params(self, loss: torch.Tensor, step_kwargs: Optional[dict] = None,
@@ -123,6 +127,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         # window", MMEngine's rule; the engine reduces and steps on it.
         self.engine.set_gradient_accumulation_boundary(self.should_sync())
         retain_graph = kwargs.get('retain_graph', False)
+        loss = guard_loss(loss)
         if self.find_unused_parameters:
             loss = with_every_parameter(
                 loss, [p for p in self._parameters()[1] if p.requires_grad], retain_graph)
@@ -150,7 +155,13 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         """
         at_boundary = self.engine.is_gradient_accumulation_boundary()
         fallback_norm = self._norm_if_engine_does_not() if at_boundary else None
-        self.engine.step(**kwargs)
+        if at_boundary:
+            self.step_check.before_step(fallback_norm)
+        try:
+            self.engine.step(**kwargs)
+        finally:
+            if at_boundary:
+                self.step_check.after_step()
         if not at_boundary:
             return
         norm = self.engine.get_global_grad_norm()
@@ -161,8 +172,8 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         if self.engine.fp16_enabled():
             self.message_hub.update_scalar(f'{self._log_prefix}loss_scale',
                                            float(self.engine.optimizer.loss_scale))
-            self.message_hub.update_scalar(f'{self._log_prefix}skipped_steps',
-                                           float(self.engine.skipped_steps))
+        self.message_hub.update_scalar(f'{self._log_prefix}skipped_steps',
+                                       self.step_check.published_count())
 
     def _norm_if_engine_does_not(self) -> Optional[torch.Tensor]:
         """The grad norm for ZeRO-0 fp32 with clipping, which DeepSpeed does not report.

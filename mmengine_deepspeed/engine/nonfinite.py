@@ -1,0 +1,103 @@
+"""Non-finite steps never reach the weights, at every ZeRO stage and precision.
+
+What DeepSpeed already does, and what is added here:
+
+* **ZeRO-1/2/3, and bf16/fp16 at any stage**: DeepSpeed's optimizer computes the
+  global grad norm (an all-reduce over ranks) and skips the update when it is not
+  finite; ``engine.skipped_steps`` counts it. Nothing is added but the count in the
+  log, for every precision (:meth:`StepCheck.published_count`).
+* **ZeRO-0 in fp32**: the torch optimizer is stepped as it is, and one NaN reaches
+  every rank's weights through the gradient all-reduce. :class:`StepCheck` decides
+  from the norm of the reduced gradients (the same on every rank): an optimizer
+  PyTorch can skip on the device (``fused=True``: AdamW, Adam, SGD, Adagrad) gets
+  ``found_inf`` as ``torch.amp.GradScaler`` gives it, without a host read; any other
+  reads the decision on the host once per update, as ``GradScaler`` does for it,
+  and a skipped update leaves every gradient ``None``, which torch optimizers step
+  over (no state changes).
+* **A non-finite loss with finite gradients** (a NaN added to a loss, a detached
+  term) would still be applied everywhere: :func:`guard_loss` makes the gradient
+  that flows back from a non-finite loss NaN, on the device, so the check above
+  (DeepSpeed's or ours) skips that step on every rank.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from deepspeed import DeepSpeedEngine
+
+from ..compat import found_inf_supported
+
+
+def guard_loss(loss: torch.Tensor) -> torch.Tensor:
+    """Make the gradients of a non-finite ``loss`` non-finite (on the device; no read).
+
+    A finite loss's gradient passes unchanged, bit for bit.
+
+    Args:
+        loss (torch.Tensor): The loss about to be back-propagated.
+
+    Returns:
+        torch.Tensor: ``loss``, with a gradient hook.
+    """
+    if loss.requires_grad:
+        finite = torch.isfinite(loss.detach())
+
+        def poison(grad: torch.Tensor) -> torch.Tensor:
+            return torch.where(finite, grad, torch.full_like(grad, float('nan')))
+
+        loss.register_hook(poison)
+    return loss
+
+
+class StepCheck:
+    """Skips an engine's non-finite updates where DeepSpeed does not, and counts all.
+
+    Args:
+        engine (DeepSpeedEngine): The engine whose updates are checked.
+    """
+
+    def __init__(self, engine: DeepSpeedEngine):
+        self.engine = engine
+        # ZeRO-0 fp32: DeepSpeed steps the torch optimizer as it is.
+        self.ours = not (engine.zero_optimization() or engine.fp16_enabled()
+                         or engine.bfloat16_enabled())
+        self._skipped: Optional[torch.Tensor] = None  # our skips, on the device
+
+    def before_step(self, norm: Optional[torch.Tensor]) -> None:
+        """Arrange for the coming update (a boundary) to be skipped if its gradients are
+        not finite: ZeRO-0 fp32 only, where DeepSpeed does not check.
+
+        Args:
+            norm (torch.Tensor, optional): The gradients' global norm, if computed
+                already (for clipping); computed here otherwise.
+        """
+        if not self.ours:
+            return
+        params = [p for p in self.engine.module.parameters() if p.grad is not None]
+        if not params:
+            return
+        if norm is None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        bad = torch.logical_not(torch.isfinite(norm))
+        self._skipped = bad.long() if self._skipped is None else self._skipped + bad
+        optimizer = self.engine.optimizer
+        if found_inf_supported(optimizer):
+            optimizer.found_inf = bad.float()  # read by the fused kernels: no host read
+        elif bool(bad):  # the one host read per update a non-fused optimizer needs
+            for p in params:
+                p.grad = None
+
+    def after_step(self) -> None:
+        """Take back what :meth:`before_step` gave the optimizer."""
+        optimizer = self.engine.optimizer
+        if self.ours and hasattr(optimizer, 'found_inf'):
+            del optimizer.found_inf
+
+    def published_count(self) -> Union[torch.Tensor, float]:
+        """Skipped updates so far: DeepSpeed's count plus ours (a device tensor, read when
+        the message hub is, where ours are counted)."""
+        if self._skipped is None:
+            return float(self.engine.skipped_steps)
+        return self._skipped + int(self.engine.skipped_steps)
+

@@ -1,0 +1,77 @@
+"""One rank of the non-finite tests: a toy model whose loss is not finite on one rank at
+chosen iterations; the run's parameters, log and checkpoints are written for the test.
+
+Usage (under torchrun): ``nonfinite_worker.py OUT_DIR SCENARIO_JSON [...]``; a scenario is
+``{"name": ..., "cfg": {toy_config keys}, "bad": {"rank": R, "iters": [...], "value":
+"nan" | "inf", "how": "input" | "loss"}}``. ``how='input'`` poisons the rank's batch (its
+gradients are not finite); ``'loss'`` adds the value to its loss only (its gradients are).
+Each rank writes ``OUT_DIR/NAME.rankR.pt``.
+"""
+from __future__ import annotations
+
+import os.path as osp
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from mmengine.config import Config
+from mmengine.registry import MODELS, RUNNERS
+
+import mmengine_deepspeed  # noqa: F401
+from tests.helpers import ToyModel, model_state, run_scenarios, toy_config
+
+BAD: dict[str, Any] = {}
+
+
+@MODELS.register_module()
+class BadStepToyModel(ToyModel):
+    """ToyModel whose loss is not finite on ``BAD['rank']`` at the iterations ``BAD['iters']``
+    (counted in its own loss forwards)."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.forwards = 0
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        bad = (mode == 'loss' and self.training and BAD and self.forwards in BAD['iters']
+               and dist.get_rank() in BAD['ranks'])
+        if mode == 'loss' and self.training:
+            self.forwards += 1
+        value = float(BAD.get('value', 'nan'))
+        if bad and BAD.get('how', 'input') == 'input':
+            inputs = inputs * value
+        out = super().forward(inputs, labels, mode)
+        if bad and BAD.get('how') == 'loss':
+            out['loss'] = out['loss'] + value
+        return out
+
+
+def run(out_dir: str, scenario: dict[str, Any]) -> None:
+    name = scenario['name']
+    BAD.clear()
+    BAD.update(scenario.get('bad', {}))
+    BAD.setdefault('ranks', [BAD.get('rank', 1)])
+    cfg = toy_config(osp.join(out_dir, name), **dict(
+        dict(model=dict(type='BadStepToyModel', with_bn=False), max_iters=16, val=False,
+             param_scheduler=None), **scenario['cfg']))
+    cfg['launcher'] = 'pytorch'
+    cfg['experiment_name'] = name
+    runner = RUNNERS.build(Config(dict(cfg, runner_type='DeepSpeedRunner')))
+    result: dict[str, Any] = dict(name=name)
+    try:
+        runner.train()
+    except SystemExit as e:
+        result['exit'] = e.code
+    hub = runner.message_hub
+    scalars = hub.log_scalars
+    result['losses'] = [float(v) for v in scalars['train/loss'].data[0]] \
+        if 'train/loss' in scalars else []
+    result['skipped'] = [float(v) for v in scalars['train/skipped_steps'].data[0]] \
+        if 'train/skipped_steps' in scalars else []
+    result['state'] = model_state(runner.model.module)
+    torch.save(result, osp.join(out_dir, f'{name}.rank{dist.get_rank()}.pt'))
+
+
+if __name__ == '__main__':
+    run_scenarios(run)
