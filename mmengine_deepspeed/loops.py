@@ -36,6 +36,8 @@ from typing_extensions import override
 from .checkpoint.data_order import ResumableSampler, create_iterator, make_resumable
 from .checkpoint.state import rng_state
 from .compat import InfiniteDataloaderIterator, diff_rank_seed, set_loop_position
+from .engine.spec import named_wrappers
+from .hooks.nonfinite import EXCLUDED_KEY, RollBack
 
 
 def resumable_loop(loop: Any) -> Any:
@@ -58,8 +60,30 @@ def resumable_loop(loop: Any) -> Any:
     return loop
 
 
+class IndexedBatches:
+    """What both loops tell about their batches (``hooks/nonfinite.py`` asks)."""
+
+    dataloader: DataLoader
+
+    @property
+    def resumable_sampler(self) -> Optional[ResumableSampler]:
+        """The sampler wrapper (None for a custom batch sampler)."""
+        return cast(Optional[ResumableSampler], getattr(self, '_sampler', None))
+
+    def given_out(self, position: tuple[int, int]) -> Optional[list[int]]:
+        """The dataset indices of the batch at ``position`` (epoch, batch number in that
+        epoch's pass: :meth:`batch_position`), if the sampler still remembers them;
+        None for a custom batch sampler."""
+        sampler = self.resumable_sampler
+        if sampler is None:
+            return None
+        epoch, batch = position
+        size = int(self.dataloader.batch_size or 1)
+        return sampler.given_out(epoch, batch * size, (batch + 1) * size)
+
+
 @LOOPS.register_module()
-class ResumableEpochBasedTrainLoop(EpochBasedTrainLoop):
+class ResumableEpochBasedTrainLoop(IndexedBatches, EpochBasedTrainLoop):
     """:class:`mmengine.runner.EpochBasedTrainLoop` that resumes mid-epoch exactly.
 
     Attributes:
@@ -84,10 +108,17 @@ class ResumableEpochBasedTrainLoop(EpochBasedTrainLoop):
             _log_skip(self.runner, self._skip_batches, f'of epoch {self.epoch + 1} ',
                       self._sampler is not None)
 
+    def batch_position(self, batch_idx: int) -> tuple[int, int]:
+        """(epoch, batch number in its pass) of the batch ``after_train_iter`` got as
+        ``batch_idx``."""
+        return self.epoch, batch_idx
+
     @override
     def run_epoch(self) -> None:
         """Iterate one epoch as MMEngine does, from the first batch a mid-epoch checkpoint
-        had not seen, through an iterator created from the streams the epoch's was."""
+        had not seen, through an iterator created from the streams the epoch's was; after a
+        rollback, the epoch of the restored checkpoint instead (MMEngine's ``run()`` then
+        goes on from there)."""
         skip, self._skip_batches = self._skip_batches, 0
         if self._sampler is not None:
             self._sampler.begin(self.epoch, skip * int(self.dataloader.batch_size or 1))
@@ -97,9 +128,28 @@ class ResumableEpochBasedTrainLoop(EpochBasedTrainLoop):
             self.dataloader, self.iterator_streams if skip else None)
         for idx, data_batch in enumerate(iterator, start=skip if self._sampler else 0):
             if idx >= skip:  # a custom batch_sampler: its skipped batches are loaded, dropped
-                self.run_iter(idx, data_batch)
+                try:
+                    self.run_iter(idx, data_batch)
+                except RollBack as rollback:
+                    roll_back(self, rollback)
+                    self.run_epoch()
+                    return
         self.runner.call_hook('after_train_epoch')
         set_loop_position(self, self.epoch + 1, self.iter)
+
+
+def roll_back(loop: Any, rollback: RollBack) -> None:
+    """Restore ``rollback.path`` on every rank and leave ``rollback.excluded`` out from
+    there on (collective: every rank raised the same :class:`RollBack`)."""
+    runner = loop.runner
+    sampler = loop.resumable_sampler
+    if sampler is None:  # NonFiniteHook rolls back only where a sampler can exclude
+        raise RuntimeError('A rollback needs the default batch sampler, which this loop lacks.')
+    sampler.exclude(rollback.excluded)
+    runner.checkpointer.restore(rollback.path)
+    runner.message_hub.update_info(EXCLUDED_KEY, sorted(rollback.excluded))
+    for wrapper in named_wrappers(runner.optim_wrapper).values():
+        wrapper.initialize_count_status(runner.model, loop.iter, loop.max_iters)
 
 
 def _log_skip(runner: Any, batches: int, where: str, at_sampler: bool) -> None:
@@ -135,6 +185,8 @@ class EpochIterator(InfiniteDataloaderIterator):
                  streams: Optional[dict] = None):
         self.sampler = sampler
         self._skip = 0
+        self._batch = 0  # the next batch's number in its epoch's pass
+        self.position = (0, -1)  # (epoch, batch number) of the batch last returned
         self._forwarding = 0
         self._restart = self._from_saved = False
         # MMEngine's __init__ (not called) sets these three and creates an iterator,
@@ -171,8 +223,15 @@ class EpochIterator(InfiniteDataloaderIterator):
             sampler.set_epoch(self._epoch)
         if self.sampler is not None:
             self.sampler.begin(self._epoch, self._skip)
+        self._batch = self._skip // int(self._dataloader.batch_size or 1)
         self._skip = 0
         self._iterator, self.streams = create_iterator(self._dataloader, streams)
+
+    def go_on_here(self) -> None:
+        """Return the batch of the iteration :meth:`fast_forward` was given at the next
+        call, without the calls that return None (a rollback inside the loop's ``run()``,
+        which does not advance the iterator again)."""
+        self._forwarding = 0
 
     @override
     def __iter__(self) -> EpochIterator:
@@ -187,17 +246,20 @@ class EpochIterator(InfiniteDataloaderIterator):
             self._restart = False
             self._start(self.streams if self._from_saved else None)
         try:
-            return next(self._iterator)
+            batch = next(self._iterator)
         except StopIteration:
             self._epoch += 1
             if self._dataloader.num_workers > 0:
                 time.sleep(2)  # as MMEngine: workers can deadlock on an immediate restart
             self._start()
-            return next(self._iterator)
+            batch = next(self._iterator)
+        self.position = (self._epoch, self._batch)
+        self._batch += 1
+        return batch
 
 
 @LOOPS.register_module()
-class ResumableIterBasedTrainLoop(IterBasedTrainLoop):
+class ResumableIterBasedTrainLoop(IndexedBatches, IterBasedTrainLoop):
     """:class:`mmengine.runner.IterBasedTrainLoop` whose resume loads no skipped batch."""
 
     def __init__(self, runner: Any, dataloader: Any, *args: Any, **kwargs: Any):
@@ -234,6 +296,21 @@ class ResumableIterBasedTrainLoop(IterBasedTrainLoop):
     @iterator_streams.setter
     def iterator_streams(self, streams: Optional[dict]) -> None:
         self.dataloader_iterator.streams = streams
+
+    def batch_position(self, batch_idx: int) -> tuple[int, int]:
+        """(epoch, batch number in its pass) of the batch the iterator returned last
+        (``batch_idx`` is the iteration)."""
+        return self.dataloader_iterator.position
+
+    @override
+    def run_iter(self, data_batch: Any) -> None:
+        """MMEngine's iteration; after a rollback, the loop goes on from the restored
+        checkpoint's iteration (MMEngine's ``run()`` asks for the next batch)."""
+        try:
+            super().run_iter(data_batch)
+        except RollBack as rollback:
+            roll_back(self, rollback)
+            self.dataloader_iterator.go_on_here()
 
     def skip_trained_batches(self) -> None:
         """Arrange for ``run()``'s fast-forward over the trained iterations to load nothing."""

@@ -10,11 +10,15 @@ checkpoint's ``state_dict``. The history, and so every figure the log shows, is
 what MMEngine's hub would hold. The runner builds it (:class:`MessageHubMethods`)
 and makes it MMEngine's current hub (``MessageHub.get_current_instance()`` returns
 it), under an experiment name no earlier runner in the process has taken.
+
+Whoever needs every value as it becomes a number, with the iteration it was logged
+at (``hooks/nonfinite.py``: a loss that was not finite on this rank), registers an
+observer (:meth:`DeferredMessageHub.observe`) instead of reading the tensors itself.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from mmengine.logging import HistoryBuffer, MessageHub, MMLogger
@@ -25,6 +29,9 @@ from .compat import register_message_hub, set_experiment_name
 
 # Read anyway after this many values: a run whose hub nobody reads keeps no more.
 MAX_PENDING = 10_000
+
+# (key, iteration it was logged at, value): called for each scalar as it becomes a number.
+Observer = Callable[[str, int, float], None]
 
 
 class DeferredMessageHub(MessageHub):
@@ -38,8 +45,17 @@ class DeferredMessageHub(MessageHub):
 
     def __init__(self, name: str, **kwargs: Any):
         super().__init__(name, **kwargs)
-        self._pending: list[tuple[str, torch.Tensor, int, bool]] = []
+        self._pending: list[tuple[str, torch.Tensor, int, bool, int]] = []
         self._pending_keys: set[str] = set()
+        self._observers: list[Observer] = []
+
+    def observe(self, observer: Observer) -> None:
+        """Call ``observer(key, iteration, value)`` for every scalar from now on, as it
+        becomes a number on the host (when the hub is read, for a tensor)."""
+        self._observers.append(observer)
+
+    def _iteration(self) -> int:
+        return int(self.runtime_info.get('iter', -1))
 
     @classmethod
     def build(cls, name: str, **kwargs: Any) -> DeferredMessageHub:
@@ -52,7 +68,7 @@ class DeferredMessageHub(MessageHub):
     @override
     def update_scalar(self, key: str, value: Any, count: int = 1, resumed: bool = True) -> None:
         if isinstance(value, torch.Tensor) and value.numel() == 1 and isinstance(count, int):
-            self._pending.append((key, value.detach(), count, resumed))
+            self._pending.append((key, value.detach(), count, resumed, self._iteration()))
             self._pending_keys.add(key)
             if len(self._pending) >= MAX_PENDING:
                 self.read_pending()
@@ -60,23 +76,30 @@ class DeferredMessageHub(MessageHub):
         if key in self._pending_keys:  # a key's history stays in order
             self.read_pending()
         super().update_scalar(key, value, count, resumed)
+        if self._observers and isinstance(value, (int, float)):
+            for observer in self._observers:
+                observer(key, self._iteration(), float(value))
 
     def read_pending(self) -> None:
-        """Put the kept tensor values into the history: one host read per device and dtype."""
+        """Put the kept tensor values into the history: one host read per device (as
+        float64, exact for every float and for integers up to 2**53)."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
         self._pending_keys.clear()
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for index, (_, value, _, _) in enumerate(pending):
-            groups.setdefault((value.device, value.dtype), []).append(index)
+        groups: dict[torch.device, list[int]] = {}
+        for index, entry in enumerate(pending):
+            groups.setdefault(entry[1].device, []).append(index)
         values: list[Union[int, float]] = [0] * len(pending)
         for indices in groups.values():
-            read = torch.stack([pending[i][1].reshape(()) for i in indices]).tolist()
+            read = torch.stack([pending[i][1].reshape(()).to(torch.float64)
+                                for i in indices]).tolist()
             for i, number in zip(indices, read):
-                values[i] = number
-        for (key, _, count, resumed), number in zip(pending, values):
+                values[i] = int(number) if not pending[i][1].is_floating_point() else number
+        for (key, _, count, resumed, iteration), number in zip(pending, values):
             super().update_scalar(key, number, count, resumed)
+            for observer in self._observers:
+                observer(key, iteration, float(number))
 
     @property
     @override

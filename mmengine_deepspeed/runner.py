@@ -37,6 +37,7 @@ from .engine.compile import compile_options, compile_report
 from .engine.offload import check_nvme
 from .engine.spec import EngineSpecs
 from .failure import failing_together
+from .hooks.nonfinite import NonFiniteHook, NonFinitePolicy, exclude_samples_of
 from .hooks.runner_methods import HookMethods
 from .loops import resumable_loop
 from .message_hub import MessageHubMethods
@@ -79,6 +80,14 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
             config inside ``deepspeed.zero.Init``, so that no rank holds it
             whole (``zero/partitioned.py``). None reads ``cfg.zero_init``
             (default True). Defaults to None.
+        nonfinite (dict, optional): What follows a step whose loss or gradients
+            were not finite (:class:`~.hooks.nonfinite.NonFinitePolicy`: ``policy``
+            ``'skip'``, ``'stop'`` or ``'rollback'``, and its limits). None reads
+            ``cfg.nonfinite`` (default ``dict(policy='skip')``). Defaults to None.
+        exclude_samples (list[int] | str, optional): Dataset indices the training
+            loader leaves out, or the path of a JSON list of them
+            (``excluded_samples.json`` of a rollback). None reads
+            ``cfg.exclude_samples``. Defaults to None.
         **kwargs: Keyword arguments of :class:`mmengine.runner.Runner`.
     """
 
@@ -86,7 +95,8 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
 
     def __init__(self, *args: Any, ds_config: DsConfigSource = None,
                  allow_unsafe_checkpoints: Optional[bool] = None,
-                 zero_init: Optional[bool] = None, **kwargs: Any):
+                 zero_init: Optional[bool] = None, nonfinite: Optional[dict] = None,
+                 exclude_samples: Union[list[int], str, None] = None, **kwargs: Any):
         # what the process holds before any model or data: the banner's plan starts here
         self.rss_at_start_mib = 0.0 if cuda_available() else rss_mib()
         bound = inspect.signature(Runner.__init__).bind(self, *args, **kwargs)
@@ -98,6 +108,9 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
         self.allow_unsafe_checkpoints = bool(_from_cfg(
             cfg, 'allow_unsafe_checkpoints', allow_unsafe_checkpoints, False))
         self.zero_init = bool(_from_cfg(cfg, 'zero_init', zero_init, True))
+        self.nonfinite_hook = NonFiniteHook(
+            NonFinitePolicy.of(_from_cfg(cfg, 'nonfinite', nonfinite, None)),
+            exclude_samples_of(_from_cfg(cfg, 'exclude_samples', exclude_samples, None)))
         self.engine_specs = EngineSpecs.of_run(
             ds_config, getattr(cfg, 'filename', None), arguments.get('train_dataloader'),
             arguments.get('optim_wrapper'), arguments.get('param_scheduler'))

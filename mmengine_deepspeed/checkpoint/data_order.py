@@ -27,6 +27,14 @@ run draws from the global random streams exactly where MMEngine's Runner does
   draw from the main process's stream, as with Runner, which the checkpoint
   restores as it was right after the last trained batch.
 
+The wrapped sampler also remembers the indices it gave out last (which samples
+a batch held, for the log of a step that was not finite) and can leave samples
+out (``exclude_samples``, a rollback past bad data: ``hooks/nonfinite.py``): each
+excluded index is replaced by the one before it in the rank's pass (by the first
+one after it at the pass's start), so every rank keeps as many batches, of the same
+size, at the same positions, and a run told to leave samples out from its start
+sees exactly what a run that left them out from a later checkpoint sees.
+
 A custom ``batch_sampler`` (grouped batches) and an ``IterableDataset`` are
 not wrapped: their skipped batches are loaded and dropped, as MMEngine does,
 which stays exact.
@@ -37,7 +45,8 @@ import functools
 import hashlib
 import random
 import warnings
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -103,6 +112,30 @@ class SampleIndex(int):
         return SampleIndex, (int(self), self.seed)
 
 
+# How many given-out indices a sampler remembers (for the log of a bad step).
+RECENT_INDICES = 1 << 16
+
+
+def _substituted(indices: Iterator[int], excluded: frozenset[int]) -> Iterator[int]:
+    """``indices``, each excluded one replaced by the last one before it that is not (at
+    the start, by the first one after it): as many indices, at the same positions."""
+    last: Optional[int] = None
+    waiting = 0
+    for index in indices:
+        if int(index) not in excluded:
+            for _ in range(waiting):
+                yield index
+            waiting, last = 0, index
+            yield index
+        elif last is None:
+            waiting += 1
+        else:
+            yield last
+    if waiting:
+        raise ValueError(f'exclude_samples leaves out every index this rank\'s sampler gives '
+                         f'({waiting}): there is nothing to train on; exclude fewer samples.')
+
+
 class ResumableSampler(Sampler):
     """A sampler that can start its next pass ``skip`` indices in, and seeds indices.
 
@@ -117,18 +150,33 @@ class ResumableSampler(Sampler):
         self.sampler, self.seed, self.rank, self.seeded = sampler, seed, rank, seeded
         self.epoch = 0
         self._skip = 0
+        self.excluded: frozenset[int] = frozenset()
+        # (epoch, position in the pass, index) of the last indices given out
+        self._recent: deque[tuple[int, int, int]] = deque(maxlen=RECENT_INDICES)
 
     def begin(self, epoch: int, skip: int = 0) -> None:
         """Make the next pass the one of ``epoch``, starting ``skip`` indices in."""
         self.epoch, self._skip = epoch, skip
 
+    def exclude(self, indices: Iterable[int]) -> None:
+        """Leave these dataset indices out of every pass that starts from now on."""
+        self.excluded = frozenset(int(i) for i in indices)
+
+    def given_out(self, epoch: int, start: int, stop: int) -> list[int]:
+        """The dataset indices given out at positions ``[start, stop)`` of ``epoch``'s pass,
+        as far as the last :data:`RECENT_INDICES` reach."""
+        return [index for e, position, index in self._recent
+                if e == epoch and start <= position < stop]
+
     @override
     def __iter__(self) -> Iterator[int]:
         skip, self._skip = self._skip, 0
-        indices = iter(self.sampler)
+        indices = _substituted(iter(self.sampler), self.excluded) if self.excluded else iter(
+            self.sampler)
         for _ in range(skip):  # index arithmetic only: nothing is loaded
             next(indices, None)
         for position, index in enumerate(indices, start=skip):
+            self._recent.append((self.epoch, position, int(index)))
             yield (SampleIndex(index, stream_seed(self.seed, self.rank, self.epoch, position))
                    if self.seeded else index)
 

@@ -215,8 +215,16 @@ def find_latest_complete(work_dir: str) -> tuple[Optional[str], list[str]]:
             last = f.read().strip()
         if is_checkpoint_dir(last) and is_complete(last):
             return last, incomplete
-    complete = [p for p in candidates if is_complete(p)]
-    if not complete:
-        return None, incomplete
-    newest = max(complete, key=lambda p: (read_meta(p).get('iter', -1), _step_of(p)))
-    return newest, incomplete
+    return latest_complete(work_dir), incomplete
+
+
+def latest_complete(directory: str, at_most_iter: Optional[int] = None) -> Optional[str]:
+    """The complete checkpoint in ``directory`` taken at the latest iteration (scanned,
+    whatever ``last_checkpoint`` says), of those taken after at most ``at_most_iter``
+    iterations if given; None if there is none."""
+    complete = [p for p in glob.glob(osp.join(directory, '*'))
+                if is_checkpoint_dir(p) and is_complete(p)]
+    steps = {p: (int(read_meta(p).get('iter', -1)), _step_of(p)) for p in complete}
+    if at_most_iter is not None:
+        complete = [p for p in complete if steps[p][0] <= at_most_iter]
+    return max(complete, key=steps.__getitem__) if complete else None

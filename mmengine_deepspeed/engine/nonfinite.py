@@ -94,6 +94,11 @@ class StepCheck:
         if self.ours and hasattr(optimizer, 'found_inf'):
             del optimizer.found_inf
 
+    def count_now(self) -> float:
+        """:meth:`published_count` as a number (a host read where ours are counted: for
+        the start of ``train()``, not for every iteration)."""
+        return float(self.published_count())
+
     def published_count(self) -> Union[torch.Tensor, float]:
         """Skipped updates so far: DeepSpeed's count plus ours (a device tensor, read when
         the message hub is, where ours are counted)."""

@@ -172,8 +172,12 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         if self.engine.fp16_enabled():
             self.message_hub.update_scalar(f'{self._log_prefix}loss_scale',
                                            float(self.engine.optimizer.loss_scale))
-        self.message_hub.update_scalar(f'{self._log_prefix}skipped_steps',
-                                       self.step_check.published_count())
+        self.message_hub.update_scalar(self.skipped_steps_key, self.step_check.published_count())
+
+    @property
+    def skipped_steps_key(self) -> str:
+        """The message hub key of this wrapper's count of skipped (non-finite) updates."""
+        return f'{self._log_prefix}skipped_steps'
 
     def _norm_if_engine_does_not(self) -> Optional[torch.Tensor]:
         """The grad norm for ZeRO-0 fp32 with clipping, which DeepSpeed does not report.

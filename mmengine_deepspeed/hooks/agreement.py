@@ -49,6 +49,11 @@ class Agreement:
         Hooks provide in ``before_train``: a new ``train()`` starts the timing afresh.
         """
         self._providers[name] = provider
+        self.restart()
+
+    def restart(self) -> None:
+        """Time afresh and forget the last agreement (a new ``train()``, or a rollback,
+        after which iterations are numbered again from an earlier one)."""
         self.period, self._last, self._since = 1, None, None
 
     def due(self, iteration: int) -> bool:

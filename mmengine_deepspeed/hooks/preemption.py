@@ -142,7 +142,7 @@ class PreemptionHook(Hook):
         if due and self._stop is None:
             by_rank = [int(x) for x in agreement.agreed(runner.iter)['signal']]
             self._stop = by_rank if any(by_rank) else None
-        if self._stop is None or not _at_update_boundary(runner.optim_wrapper):
+        if self._stop is None or not at_update_boundary(runner.optim_wrapper):
             return
         number = max(self._stop)
         path = save_preemption_checkpoint(runner)
@@ -154,7 +154,7 @@ class PreemptionHook(Hook):
         raise Preempted(128 + number)
 
 
-def _at_update_boundary(optim_wrapper: Any) -> bool:
+def at_update_boundary(optim_wrapper: Any) -> bool:
     """Whether the last iteration updated the parameters (no accumulated gradients
     are pending, which a checkpoint would not hold)."""
     return all(w.should_update() for w in named_wrappers(optim_wrapper).values())

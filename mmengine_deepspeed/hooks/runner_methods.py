@@ -27,6 +27,7 @@ class HookMethods(Runner):
     ``get_hooks_info`` for DeepSpeedRunner (``hooks/registration.py``)."""
 
     added_hooks: list[Hook]  # the runner's own, run beside runner.hooks
+    nonfinite_hook: Hook  # configured by the runner's nonfinite / exclude_samples
     # (the registered hooks, the merged order): sorted again only when they change
     _hook_order: Optional[tuple[tuple[Hook, ...], list[Hook]]] = None
 
@@ -40,9 +41,10 @@ class HookMethods(Runner):
     def register_hooks(self, default_hooks: Optional[dict] = None,
                        custom_hooks: Optional[list] = None) -> None:
         """MMEngine's hooks, with ``EMAHook`` made DeepSpeed-aware; the runner's own hooks
-        (throughput, preemption, streams after validation) beside them, in
-        :attr:`added_hooks` (``hooks/registration.py``)."""
-        self.added_hooks = added_hooks(default_hooks, custom_hooks)
+        (throughput, preemption, streams after validation, non-finite steps) beside
+        them, in :attr:`added_hooks` (``hooks/registration.py``)."""
+        self.added_hooks = in_priority_order(added_hooks(default_hooks, custom_hooks),
+                                             [self.nonfinite_hook])
         self._hook_order = None
         super().register_hooks(default_hooks, deepspeed_custom_hooks(custom_hooks))
 

@@ -5,6 +5,8 @@ Usage (under torchrun): ``nonfinite_worker.py OUT_DIR SCENARIO_JSON [...]``; a s
 ``{"name": ..., "cfg": {toy_config keys}, "bad": {"rank": R, "iters": [...], "value":
 "nan" | "inf", "how": "input" | "loss"}}``. ``how='input'`` poisons the rank's batch (its
 gradients are not finite); ``'loss'`` adds the value to its loss only (its gradients are).
+Or ``"bad": {"samples": [...]}`` with ``dataset_type='CorruptToyDataset'``: those dataset
+indices hold NaN inputs (corrupt data, whichever rank and iteration draws them).
 Each rank writes ``OUT_DIR/NAME.rankR.pt``.
 """
 from __future__ import annotations
@@ -15,10 +17,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from mmengine.config import Config
-from mmengine.registry import MODELS, RUNNERS
+from mmengine.registry import DATASETS, MODELS, RUNNERS
 
 import mmengine_deepspeed  # noqa: F401
-from tests.helpers import ToyModel, model_state, run_scenarios, toy_config
+from tests.helpers import ToyDataset, ToyModel, model_state, run_scenarios, toy_config
 
 BAD: dict[str, Any] = {}
 
@@ -34,7 +36,7 @@ class BadStepToyModel(ToyModel):
 
     def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 mode: str = 'tensor') -> Any:
-        bad = (mode == 'loss' and self.training and BAD and self.forwards in BAD['iters']
+        bad = (mode == 'loss' and self.training and self.forwards in BAD.get('iters', ())
                and dist.get_rank() in BAD['ranks'])
         if mode == 'loss' and self.training:
             self.forwards += 1
@@ -45,6 +47,17 @@ class BadStepToyModel(ToyModel):
         if bad and BAD.get('how') == 'loss':
             out['loss'] = out['loss'] + value
         return out
+
+
+@DATASETS.register_module()
+class CorruptToyDataset(ToyDataset):
+    """ToyDataset whose samples ``BAD['samples']`` hold NaN inputs."""
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        item = super().__getitem__(index)
+        if index in BAD.get('samples', ()):
+            item['inputs'] = item['inputs'] * float('nan')
+        return item
 
 
 def run(out_dir: str, scenario: dict[str, Any]) -> None:
@@ -70,6 +83,9 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     result['skipped'] = [float(v) for v in scalars['train/skipped_steps'].data[0]] \
         if 'train/skipped_steps' in scalars else []
     result['state'] = model_state(runner.model.module)
+    result['log'] = open(runner.logger.handlers[-1].baseFilename).read() if dist.get_rank() == 0 \
+        and hasattr(runner.logger.handlers[-1], 'baseFilename') else ''
+    result['excluded'] = runner.message_hub.get_info('excluded_samples')
     torch.save(result, osp.join(out_dir, f'{name}.rank{dist.get_rank()}.pt'))
 
 

@@ -37,6 +37,12 @@ class _Fp16EngineDouble:
     def fp16_enabled(self) -> bool:
         return True
 
+    def zero_optimization(self) -> bool:
+        return False
+
+    def bfloat16_enabled(self) -> bool:
+        return False
+
 
 def test_fp16_loss_scale_and_skipped_steps_reach_the_message_hub() -> None:
     """A test double replaces the engine: fp16 needs CUDA, which this machine lacks."""

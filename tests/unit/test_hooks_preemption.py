@@ -16,7 +16,7 @@ from mmengine.runner.priority import get_priority
 from mmengine_deepspeed.failure import is_failure
 from mmengine_deepspeed.hooks.agreement import agreement_of
 from mmengine_deepspeed.hooks.monitor import ThroughputHook
-from mmengine_deepspeed.hooks.preemption import Preempted, PreemptionHook, _at_update_boundary
+from mmengine_deepspeed.hooks.preemption import Preempted, PreemptionHook, at_update_boundary
 from mmengine_deepspeed.hooks.registration import (
     added_hooks,
     deepspeed_default_hooks,
@@ -57,14 +57,14 @@ def test_preemption_waits_for_an_accumulation_boundary() -> None:
     wrapper = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), accumulative_counts=2)
     wrapper.initialize_count_status(model, 0, 10)
     wrapper._inner_count = 1  # after the first iteration: gradients pending
-    assert not _at_update_boundary(wrapper)
+    assert not at_update_boundary(wrapper)
     wrapper._inner_count = 2
-    assert _at_update_boundary(wrapper)
+    assert at_update_boundary(wrapper)
     other = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1))
     other.initialize_count_status(model, 0, 10)
     other._inner_count = 1
     wrapper._inner_count = 1
-    assert not _at_update_boundary(OptimWrapperDict(a=other, b=wrapper))  # every one counts
+    assert not at_update_boundary(OptimWrapperDict(a=other, b=wrapper))  # every one counts
 
 
 def test_default_hooks_preemption_configures_the_runners_own_hook() -> None:

@@ -1,6 +1,8 @@
 """message_hub.py: tensor scalars read on the host when the hub is read, all at once."""
 from __future__ import annotations
 
+import math
+
 from typing import Any, Callable
 
 import pytest
@@ -40,7 +42,7 @@ def test_values_are_read_once_when_the_hub_is_read_with_mmengines_history() -> N
         deferred.get_scalar('train/lr')  # as IterTimerHook every iteration: nothing kept
         assert reads.count == 0
         deferred_loss = deferred.get_scalar('train/loss')
-        assert reads.count == 2  # one per dtype (float32, int64), whatever the number
+        assert reads.count == 1  # one per device, whatever the number and the dtypes
     assert plain_reads == 6
     for key in ('train/loss', 'train/grad_norm', 'train/lr'):
         assert deferred.get_scalar(key).data[0].tolist() == plain.get_scalar(key).data[0].tolist()
@@ -70,3 +72,24 @@ def test_it_is_mmengines_current_hub_and_refuses_what_mmengine_refuses() -> None
         hub.update_scalar('loss', torch.ones(2))
     with pytest.raises(KeyError, match='loss is not found'):
         hub.get_scalar('loss')
+
+
+def test_observers_see_each_value_with_the_iteration_it_was_logged_at() -> None:
+    """hooks/nonfinite.py learns which iteration's loss was not finite, without a read of
+    its own: kept tensors when the hub is read, plain numbers at once."""
+    hub = DeferredMessageHub.build('observed_hub_test')
+    seen: list[tuple[str, int, float]] = []
+    hub.observe(lambda key, iteration, value: seen.append((key, iteration, value)))
+    for iteration, loss in enumerate((0.5, float('nan'), float('inf'))):
+        hub.update_info('iter', iteration)
+        hub.update_scalar('train/loss', torch.tensor(loss))
+        hub.update_scalar('train/skipped_steps', float(iteration))
+    assert [s for s in seen if s[0] == 'train/loss'] == []
+    with _Reads() as reads:
+        hub.log_scalars
+    assert reads.count == 1
+    losses = [(i, v) for key, i, v in seen if key == 'train/loss']
+    assert losses[0] == (0, 0.5) and losses[1][0] == 1 and math.isnan(losses[1][1])
+    assert losses[2] == (2, float('inf'))
+    assert [(i, v) for key, i, v in seen if key == 'train/skipped_steps'] == [
+        (0, 0.0), (1, 1.0), (2, 2.0)]

@@ -75,7 +75,7 @@ def test_hooks_are_registered_as_by_mmengines_runner(tmp_path: Any) -> None:
         'DeepSpeedCheckpointHook' if isinstance(h, CheckpointHook) else type(h).__name__
         for h in theirs.hooks]
     assert {type(h).__name__ for h in ours.added_hooks} == {
-        'ThroughputHook', 'StreamsAfterValidationHook', 'PreemptionHook'}
+        'ThroughputHook', 'StreamsAfterValidationHook', 'PreemptionHook', 'NonFiniteHook'}
     assert 'Run beside them by DeepSpeedRunner' in ours.get_hooks_info()
     registered = ours.hooks
     registered.clear()

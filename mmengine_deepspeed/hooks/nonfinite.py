@@ -1,0 +1,434 @@
+"""When a run goes bad: the log says where, and a policy decides what follows.
+
+A step whose loss or gradients are not finite is skipped on every rank at every
+ZeRO stage (``engine/nonfinite.py``). :class:`NonFiniteHook` makes that visible
+and acts on it, without a host read of its own:
+
+* what it learns comes from the message hub as the hub is read at LoggerHook's
+  interval (``DeferredMessageHub.observe``): each rank's non-finite losses,
+  with the iteration they were logged at, and every optimizer's count of skipped
+  updates (``skipped_steps``, logged at every precision);
+* at each logging iteration the ranks agree (``hooks/agreement.py``, on a CPU
+  group) whether any of them saw a non-finite loss or a loss spike; only then, or
+  when an update was skipped, do they gather what each saw (a second small
+  collective, on failures only): the iteration, the ranks, the loss keys and the
+  dataset indices of each rank's batch. Rank 0 logs it and appends it to
+  ``work_dir/nonfinite_steps.jsonl``;
+* the policy (``nonfinite=dict(policy=...)``, :class:`NonFinitePolicy`) then
+  goes on (``skip``), ends every rank after a checkpoint of the last good state
+  (``stop``; also ``skip`` past its limits), or rolls back (``rollback``): every
+  rank restores the newest complete checkpoint taken before the first failed step,
+  leaves the samples of the failed steps out from then on, and trains on
+  (``loops.py``). The samples left out are kept in the message hub's runtime info,
+  so checkpoints remember them and a resumed run keeps leaving them out, and in
+  ``work_dir/excluded_samples.json``.
+
+Since skipped steps never reach the weights, the state at any iteration is the
+last good state: no checkpoint holds a NaN, and none is rotated away by a bad one.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os.path as osp
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+import torch.distributed as torch_dist
+from mmengine.hooks import CheckpointHook, Hook
+from typing_extensions import override
+
+from ..checkpoint.checkpointer import agreed_path
+from ..checkpoint.layout import latest_complete
+from ..dist import cpu_group
+from ..engine.spec import named_wrappers
+from .agreement import agreement_of, logging_interval
+from .preemption import at_update_boundary, save_preemption_checkpoint
+
+# The message hub's runtime-info key of the samples left out (saved with checkpoints).
+EXCLUDED_KEY = 'excluded_samples'
+STEPS_FILE = 'nonfinite_steps.jsonl'
+EXCLUDED_FILE = 'excluded_samples.json'
+# The exit status of a run the policy stopped (a failure, not a success).
+STOP_STATUS = 3
+POLICIES = ('skip', 'stop', 'rollback')
+
+
+@dataclass(frozen=True)
+class NonFinitePolicy:
+    """What a run does after a step whose loss or gradients were not finite.
+
+    Args:
+        policy (str): ``'skip'`` (go on; stop past the limits below), ``'stop'``
+            (stop at the first failed step) or ``'rollback'`` (past the limits, or at
+            a loss spike: restore the newest checkpoint taken before the first failed
+            step and leave its samples out). Defaults to ``'skip'``.
+        max_consecutive (int): The limit of consecutive skipped updates (of any one
+            optimizer). Defaults to 10.
+        max_skipped (int): The limit of skipped updates within ``window``
+            iterations. Defaults to 50.
+        window (int): See ``max_skipped``. Defaults to 1000.
+        max_rollbacks (int): Rollbacks in one process before the run stops instead.
+            Defaults to 3.
+        spike_zscore (float, optional): With ``'rollback'``: a rank's loss this many
+            standard deviations above the mean of its previous ``spike_window``
+            losses counts as a failed step. None: no spike check. Defaults to None.
+        spike_window (int): See ``spike_zscore``. Defaults to 100.
+    """
+
+    policy: str = 'skip'
+    max_consecutive: int = 10
+    max_skipped: int = 50
+    window: int = 1000
+    max_rollbacks: int = 3
+    spike_zscore: Optional[float] = None
+    spike_window: int = 100
+
+    @classmethod
+    def of(cls, value: Any) -> NonFinitePolicy:
+        """The policy of the ``nonfinite`` config key (None: the defaults); a bad value
+        is refused, naming the key."""
+        if value is None:
+            return cls()
+        if isinstance(value, NonFinitePolicy):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f'nonfinite must be a dict such as dict(policy="skip"), got '
+                            f'{value!r}.')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f'nonfinite has unknown keys {unknown}; known: {sorted(known)}.')
+        policy = cls(**value)
+        if policy.policy not in POLICIES:
+            raise ValueError(f'nonfinite.policy={policy.policy!r}: use one of {POLICIES}.')
+        for name in ('max_consecutive', 'max_skipped', 'window', 'spike_window'):
+            number = getattr(policy, name)
+            if not isinstance(number, int) or number < 1:
+                raise ValueError(f'nonfinite.{name}={number!r} must be an integer >= 1.')
+        if not isinstance(policy.max_rollbacks, int) or policy.max_rollbacks < 0:
+            raise ValueError(f'nonfinite.max_rollbacks={policy.max_rollbacks!r} must be an '
+                             'integer >= 0.')
+        if policy.spike_zscore is not None:
+            if policy.policy != 'rollback':
+                raise ValueError('nonfinite.spike_zscore needs policy="rollback": a spike '
+                                 'reached the weights, only a rollback takes it back.')
+            if not isinstance(policy.spike_zscore, (int, float)) or policy.spike_zscore <= 0:
+                raise ValueError(f'nonfinite.spike_zscore={policy.spike_zscore!r} must be a '
+                                 'number > 0 (6 is a common choice), or None.')
+        return policy
+
+
+def exclude_samples_of(value: Any) -> list[int]:
+    """The ``exclude_samples`` config key: dataset indices, or the path of a JSON list of
+    them (``excluded_samples.json`` from an earlier run)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        if not osp.isfile(value):
+            raise FileNotFoundError(f'exclude_samples={value!r}: no such file; give a list of '
+                                    'dataset indices or the path of a JSON list of them.')
+        with open(value, encoding='utf-8') as f:
+            value = json.load(f)
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        raise ValueError(f'exclude_samples must be a list of dataset indices (integers >= 0) '
+                         f'or the path of a JSON list of them, got {value!r}.')
+    return sorted(set(value))
+
+
+def is_loss_key(key: str) -> bool:
+    """Whether a message hub key is a loss: a training key with ``loss`` in its name, as
+    MMEngine's ``parse_losses`` sums them (not DeepSpeed's ``loss_scale``)."""
+    name = key.removeprefix('train/')
+    return key.startswith('train/') and 'loss' in name and not name.endswith('loss_scale')
+
+
+class NonFiniteStop(SystemExit):
+    """Every rank leaves ``train()`` together, after a checkpoint, with :data:`STOP_STATUS`.
+
+    ``agreed`` tells ``failure.py`` that this is no single rank's failure.
+    """
+
+    agreed = True
+
+
+class RollBack(Exception):
+    """Raised on every rank alike from ``after_train_iter``; the loop restores ``path``
+    and leaves ``excluded`` (dataset indices) out from there on (``loops.py``)."""
+
+    def __init__(self, path: str, excluded: Iterable[int]):
+        super().__init__(path)
+        self.path = path
+        self.excluded = frozenset(excluded)
+
+
+@dataclass
+class FailedStep:
+    """One iteration whose step failed, as every rank saw it."""
+
+    iteration: int  # 0-based
+    skipped: bool = False
+    losses: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> key -> value
+    spikes: list[int] = field(default_factory=list)  # ranks
+    batches: dict[int, Optional[list[int]]] = field(default_factory=dict)  # rank -> indices
+
+    def culprits(self) -> list[int]:
+        """The dataset indices to leave out: the batches of the ranks whose loss was not
+        finite or spiked, else (gradients alone) every rank's."""
+        ranks = sorted(set(self.losses) | set(self.spikes)) or sorted(self.batches)
+        return sorted({i for rank in ranks for i in self.batches.get(rank) or []})
+
+    def describe(self) -> str:
+        what = []
+        for rank, keys in sorted(self.losses.items()):
+            values = ', '.join(f'{key.removeprefix("train/")}={value}'
+                               for key, value in keys.items())
+            what.append(f'rank {rank}: {values}')
+        what += [f'rank {rank}: loss spike' for rank in self.spikes]
+        cause = '; '.join(what) or 'gradients not finite, losses finite on every rank'
+        batches = '; '.join(f'rank {rank}: {indices if indices is not None else "unknown"}'
+                            for rank, indices in sorted(self.batches.items()))
+        state = 'update skipped' if self.skipped else 'update applied'
+        return (f'iteration {self.iteration + 1} ({state}): {cause}. Dataset indices of the '
+                f'batches: {batches}.')
+
+    def record(self) -> dict[str, Any]:
+        """As a line of ``nonfinite_steps.jsonl`` (JSON has no NaN: values as text)."""
+        return dict(iteration=self.iteration + 1, skipped=self.skipped,
+                    losses={str(r): {k: str(v) for k, v in keys.items()}
+                            for r, keys in self.losses.items()},
+                    spikes=self.spikes, batches={str(r): v for r, v in self.batches.items()})
+
+
+class NonFiniteHook(Hook):
+    """Logs failed steps with rank and samples; stops, or rolls back past bad data.
+
+    DeepSpeedRunner runs it beside the registered hooks (``nonfinite`` and
+    ``exclude_samples`` configure it).
+
+    Args:
+        policy (NonFinitePolicy): What follows a failed step.
+        exclude_samples (Iterable[int]): Dataset indices the train loader leaves out.
+    """
+
+    priority = 'LOW'  # after LoggerHook, whose interval read of the hub it uses
+
+    def __init__(self, policy: NonFinitePolicy, exclude_samples: Iterable[int] = ()):
+        self.policy = policy
+        self.excluded = set(exclude_samples)
+        self.rollbacks = 0
+        self._observing: Any = None  # the DeferredMessageHub observed (message_hub.py)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._counts: dict[str, float] = {}
+        self._consecutive: collections.Counter = collections.Counter()
+        self._skips: list[int] = []  # iterations of skipped updates, not yet reported
+        self._bad: dict[int, dict[str, float]] = {}  # this rank's non-finite losses
+        self._spikes: list[int] = []
+        self._losses: collections.deque[float] = collections.deque(
+            maxlen=self.policy.spike_window)
+        self._positions: dict[int, tuple[int, int]] = {}
+        self._recent: collections.deque[int] = collections.deque()  # skips within window
+        self._unresolved: list[FailedStep] = []  # since the last rollback
+        self._stopping: Optional[str] = None
+
+    @override
+    def before_train(self, runner: Any) -> None:
+        self._reset()
+        hub = runner.message_hub
+        if hasattr(hub, 'observe') and self._observing is not hub:
+            hub.observe(self._observe)
+            self._observing = hub
+        for wrapper in named_wrappers(runner.optim_wrapper).values():
+            self._counts[wrapper.skipped_steps_key] = wrapper.step_check.count_now()
+        self.excluded |= set(hub.runtime_info.get(EXCLUDED_KEY, []))
+        if self.excluded:
+            sampler = getattr(runner.train_loop, 'resumable_sampler', None)
+            if sampler is None:
+                raise ValueError(
+                    'exclude_samples needs the train loader\'s default batch sampler (a '
+                    'sampler DeepSpeedRunner can wrap); this loader has a custom batch_sampler '
+                    'or an IterableDataset.')
+            sampler.exclude(self.excluded)
+            hub.update_info(EXCLUDED_KEY, sorted(self.excluded))
+            runner.logger.info(f'Leaving out {len(self.excluded)} samples of the training '
+                               f'data (exclude_samples): {sorted(self.excluded)[:20]}'
+                               f'{"..." if len(self.excluded) > 20 else ""}')
+        self._interval = logging_interval(runner)
+        world = runner.world_size
+
+        def flags() -> list[float]:
+            if (runner.iter + 1) % self._interval == 0 and hasattr(hub, 'read_pending'):
+                hub.read_pending()  # the read LoggerHook makes at this iteration anyway
+            return ([float(rank == runner.rank and bool(self._bad)) for rank in range(world)]
+                    + [float(rank == runner.rank and bool(self._spikes))
+                       for rank in range(world)])
+
+        agreement_of(runner).provide('nonfinite', flags)
+
+    def _observe(self, key: str, iteration: int, value: float) -> None:
+        if key.endswith('skipped_steps'):
+            last = self._counts.get(key, 0.0)
+            self._counts[key] = value
+            if value > last:
+                self._skips.append(iteration)
+                self._consecutive[key] += 1
+            else:
+                self._consecutive[key] = 0
+        elif is_loss_key(key):
+            if not math.isfinite(value):
+                self._bad.setdefault(iteration, {})[key] = value
+            elif key == 'train/loss' and self.policy.spike_zscore is not None:
+                self._check_spike(iteration, value)
+
+    def _check_spike(self, iteration: int, value: float) -> None:
+        window = self._losses
+        if len(window) == window.maxlen:
+            spread = statistics.pstdev(window)
+            if spread > 0 and (value - statistics.fmean(window)) / spread \
+                    > float(self.policy.spike_zscore or 0):
+                self._spikes.append(iteration)
+                return  # a spike stays out of the window it is measured against
+        window.append(value)
+
+    @override
+    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
+                         outputs: Optional[dict] = None) -> None:
+        loop = runner.train_loop
+        if hasattr(loop, 'batch_position'):
+            self._positions[runner.iter] = loop.batch_position(batch_idx)
+        if self._stopping is None and (runner.iter + 1) % self._interval == 0:
+            self._report(runner)
+        if self._stopping is not None and at_update_boundary(runner.optim_wrapper):
+            self._stop(runner)
+
+    def _report(self, runner: Any) -> None:
+        flags = agreement_of(runner).agreed(runner.iter)['nonfinite']
+        if not self._skips and not any(flags):
+            self._positions.clear()
+            return
+        steps = self._gather(runner)
+        self._positions.clear()
+        self._skips, self._bad, self._spikes = [], {}, []
+        for step in steps:
+            if step.skipped:
+                self._recent.append(step.iteration)
+        while self._recent and self._recent[0] <= runner.iter - self.policy.window:
+            self._recent.popleft()
+        self._unresolved += steps
+        if runner.rank == 0:
+            with open(osp.join(runner.work_dir, STEPS_FILE), 'a', encoding='utf-8') as f:
+                for step in steps:
+                    f.write(json.dumps(step.record()) + '\n')
+        limit = self._limit_reached()
+        spiked = any(step.spikes for step in steps)
+        said = '\n'.join(f'  {step.describe()}' for step in steps)
+        runner.logger.warning(
+            f'Steps that were not finite (skipped updates so far: '
+            f'{int(sum(self._counts.values()))}; details in '
+            f'{osp.join(runner.work_dir, STEPS_FILE)}):\n{said}')
+        if self.policy.policy == 'stop':
+            self._stopping = 'nonfinite.policy="stop"'
+        elif limit is not None or spiked:
+            reason = limit or 'a loss spike'
+            if self.policy.policy == 'rollback':
+                self._roll_back(runner, reason)
+            self._stopping = f'{reason} (nonfinite.policy="{self.policy.policy}")'
+
+    def _gather(self, runner: Any) -> list[FailedStep]:
+        """Every rank's view of the failed iterations (collective; on failures only)."""
+        mine_iterations = set(self._skips) | set(self._bad) | set(self._spikes)
+        loop = runner.train_loop
+        given_out = getattr(loop, 'given_out', None)
+        batches = {it: (given_out(self._positions[it]) if given_out is not None
+                        and it in self._positions else None) for it in mine_iterations}
+        mine = dict(rank=runner.rank, skips=sorted(set(self._skips)), bad=self._bad,
+                    spikes=self._spikes, batches=batches)
+        views: list[Any] = [mine]
+        if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+            views = [None] * torch_dist.get_world_size()
+            torch_dist.all_gather_object(views, mine, group=cpu_group())
+        steps: dict[int, FailedStep] = {}
+        for view in views:
+            rank = view['rank']
+            for it in view['skips']:
+                steps.setdefault(it, FailedStep(it)).skipped = True
+            for it, keys in view['bad'].items():
+                steps.setdefault(it, FailedStep(it)).losses[rank] = keys
+            for it in view['spikes']:
+                steps.setdefault(it, FailedStep(it)).spikes.append(rank)
+        for view in views:
+            for it, step in steps.items():
+                # each rank's batch of every failed iteration: gradients alone exclude all
+                step.batches[view['rank']] = view['batches'].get(it)
+        return [steps[it] for it in sorted(steps)]
+
+    def _limit_reached(self) -> Optional[str]:
+        key, most = max(self._consecutive.items(), key=lambda kv: kv[1], default=('', 0))
+        if most >= self.policy.max_consecutive:
+            name = key.removeprefix('train/').removesuffix('skipped_steps').rstrip('.')
+            return (f'{most} consecutive update{"s" if most > 1 else ""} '
+                    f'{f"of {name} " if name else ""}skipped '
+                    f'(max_consecutive={self.policy.max_consecutive})')
+        if len(self._recent) >= self.policy.max_skipped:
+            return (f'{len(self._recent)} updates skipped within {self.policy.window} '
+                    f'iterations (max_skipped={self.policy.max_skipped})')
+        return None
+
+    def _roll_back(self, runner: Any, reason: str) -> None:
+        """Raise :class:`RollBack` on every rank, or return where none can be taken (the
+        run then stops, saying why)."""
+        first = min(step.iteration for step in self._unresolved)
+        path = self._checkpoint_before(runner, first)
+        why_not = None
+        if self.rollbacks >= self.policy.max_rollbacks:
+            why_not = f'max_rollbacks={self.policy.max_rollbacks} reached'
+        elif getattr(runner.train_loop, 'resumable_sampler', None) is None:
+            why_not = 'the train loader has a custom batch sampler, which cannot leave samples out'
+        elif not path:
+            why_not = (f'no complete checkpoint was taken before iteration {first + 1} '
+                       '(CheckpointHook\'s interval)')
+        if why_not is not None:
+            runner.logger.warning(f'No rollback: {why_not}.')
+            return
+        excluded = {i for step in self._unresolved for i in step.culprits()}
+        self.excluded |= excluded
+        self.rollbacks += 1
+        self._unresolved = []
+        self._consecutive.clear()
+        self._recent.clear()
+        if runner.rank == 0:
+            with open(osp.join(runner.work_dir, EXCLUDED_FILE), 'w', encoding='utf-8') as f:
+                json.dump(sorted(self.excluded), f)
+        runner.logger.warning(
+            f'{reason}: rolling back to {path} (rollback {self.rollbacks} of at most '
+            f'{self.policy.max_rollbacks}), leaving out the samples {sorted(excluded)} of the '
+            f'failed steps from now on ({osp.join(runner.work_dir, EXCLUDED_FILE)} lists all '
+            f'{len(self.excluded)}; checkpoints remember them).')
+        agreement_of(runner).restart()
+        raise RollBack(path, self.excluded)
+
+    @staticmethod
+    def _checkpoint_before(runner: Any, iteration: int) -> str:
+        """The newest complete checkpoint taken after at most ``iteration`` iterations,
+        rank 0's answer on every rank ('' for none)."""
+        hook = next((h for h in runner.hooks if isinstance(h, CheckpointHook)), None)
+        directory = getattr(hook, 'out_dir', None) or runner.work_dir
+        path = latest_complete(directory, at_most_iter=iteration) if runner.rank == 0 else None
+        return agreed_path(path or '')
+
+    def _stop(self, runner: Any) -> None:
+        path = save_preemption_checkpoint(runner)
+        if runner.rank == 0:  # MMEngine's other ranks show errors too: said once
+            runner.logger.error(
+                f'Stopping every rank after iteration {runner.iter + 1}: {self._stopping}. The '
+                f'last good state is saved in {path} (no update that was not finite reached '
+                f'it); see {osp.join(runner.work_dir, STEPS_FILE)} for the failed steps. '
+                'Resume with --resume (resume=True), with exclude_samples to leave their '
+                'samples out.')
+        raise NonFiniteStop(STOP_STATUS)
