@@ -83,8 +83,11 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     result['skipped'] = [float(v) for v in scalars['train/skipped_steps'].data[0]] \
         if 'train/skipped_steps' in scalars else []
     result['state'] = model_state(runner.model.module)
-    result['log'] = open(runner.logger.handlers[-1].baseFilename).read() if dist.get_rank() == 0 \
-        and hasattr(runner.logger.handlers[-1], 'baseFilename') else ''
+    result['log'] = ''
+    log_file = getattr(runner.logger.handlers[-1], 'baseFilename', None)
+    if dist.get_rank() == 0 and log_file:
+        with open(log_file) as f:
+            result['log'] = f.read()
     result['excluded'] = runner.message_hub.get_info('excluded_samples')
     torch.save(result, osp.join(out_dir, f'{name}.rank{dist.get_rank()}.pt'))
 

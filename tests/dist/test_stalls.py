@@ -6,6 +6,11 @@ interval 10), device synchronizes, host reads of tensor values and
 stay within 0.3 host reads, 0.1 collectives and no synchronize per iteration, at
 every ZeRO stage, with one optimizer and several (a GAN), with EMAHook; DeepSpeed
 issues no synchronize unless the ds_config asks for its timers.
+
+ZeRO-0 in fp32 is where this package itself skips non-finite updates
+(``engine/nonfinite.py``): with a fused optimizer (``fused=True``, as these scenarios
+use at ZeRO-0) the decision stays on the device; with any other, it costs one host
+read per update, as ``torch.amp.GradScaler``'s does, and no more (``z0_unfused``).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import launch_scenarios
+from tests.toy_gan import ADAM
 
 pytestmark = pytest.mark.dist
 
@@ -24,17 +30,33 @@ def zero(stage: int, **extra: Any) -> dict:
     return {'zero_optimization': {'stage': stage}, **extra}
 
 
+def fused(stage: int) -> dict:
+    """The optimizers, fused at ZeRO-0 (skipped on the device when not finite)."""
+    return {'optimizer': {'type': 'SGD', 'lr': 0.1, 'momentum': 0.9, 'fused': stage == 0}}
+
+
+def gan_fused(stage: int) -> dict:
+    adam = dict(ADAM, fused=stage == 0)
+    return {'optim_wrapper': dict(constructor='SubmoduleOptimWrapperConstructor',
+                                  generator=dict(optimizer=adam, accumulative_counts=2),
+                                  discriminator=dict(optimizer=adam,
+                                                     clip_grad=dict(max_norm=1.0)))}
+
+
 EMA = [{'type': 'EMAHook', 'momentum': 0.1}]
 SCENARIOS: list[dict[str, Any]] = [
-    *({'name': f'z{s}', 'cfg': {'ds_config': zero(s), 'with_bn': False}} for s in range(4)),
-    *({'name': f'gan_z{s}', 'model': 'gan', 'cfg': {'ds_config': zero(s)}} for s in (0, 3)),
+    *({'name': f'z{s}', 'cfg': {'ds_config': zero(s), 'with_bn': False, **fused(s)}}
+      for s in range(4)),
+    *({'name': f'gan_z{s}', 'model': 'gan', 'cfg': {'ds_config': zero(s), **gan_fused(s)}}
+      for s in (0, 3)),
     *({'name': f'ema_z{s}', 'cfg': {'ds_config': zero(s), 'with_bn': False,
-                                    'custom_hooks': EMA}} for s in (0, 3)),
+                                    'custom_hooks': EMA, **fused(s)}} for s in (0, 3)),
+    {'name': 'z0_unfused', 'cfg': {'ds_config': zero(0), 'with_bn': False}},
     # DeepSpeed's timer when asked for: its synchronizes are counted
     {'name': 'timers_z2', 'cfg': {'ds_config': zero(2, timers={'throughput': {
         'enabled': True, 'synchronized': True}}), 'with_bn': False}},
 ]
-CHECKED = [s['name'] for s in SCENARIOS if s['name'] != 'timers_z2']
+CHECKED = [s['name'] for s in SCENARIOS if s['name'] not in ('timers_z2', 'z0_unfused')]
 
 
 @pytest.fixture(scope='module')
@@ -70,3 +92,14 @@ def test_the_count_sees_what_it_counts(counts: dict) -> None:
     them, its timer's two synchronizes per iteration."""
     assert counts['z2/0']['per_iteration']['collective/deepspeed'] >= 1
     assert counts['timers_z2/0']['per_iteration']['sync/deepspeed'] == 2
+
+
+def test_an_unfused_optimizer_at_zero0_fp32_costs_one_read_per_update(counts: dict) -> None:
+    """The decision to skip a non-finite update, which PyTorch's unfused optimizers cannot
+    take on the device: one host read per update, and nothing else beyond the budget."""
+    for rank in range(2):
+        result = counts[f'z0_unfused/{rank}']
+        decision = sum(n for site, n in result['sites'].items()
+                       if site.startswith('read mmengine_deepspeed/engine/nonfinite.py:'))
+        assert decision == 1.0, result['sites']
+        assert _ours(result, 'read') <= 1.3 and _ours(result, 'sync') == 0, result['sites']

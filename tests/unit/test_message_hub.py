@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-
 from typing import Any, Callable
 
 import pytest
@@ -86,7 +85,7 @@ def test_observers_see_each_value_with_the_iteration_it_was_logged_at() -> None:
         hub.update_scalar('train/skipped_steps', float(iteration))
     assert [s for s in seen if s[0] == 'train/loss'] == []
     with _Reads() as reads:
-        hub.log_scalars
+        hub.read_pending()
     assert reads.count == 1
     losses = [(i, v) for key, i, v in seen if key == 'train/loss']
     assert losses[0] == (0, 0.5) and losses[1][0] == 1 and math.isnan(losses[1][1])
