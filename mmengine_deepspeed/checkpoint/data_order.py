@@ -164,9 +164,11 @@ class ResumableSampler(Sampler):
 
     def given_out(self, epoch: int, start: int, stop: int) -> list[int]:
         """The dataset indices given out at positions ``[start, stop)`` of ``epoch``'s pass,
-        as far as the last :data:`RECENT_INDICES` reach."""
-        return [index for e, position, index in self._recent
-                if e == epoch and start <= position < stop]
+        as far as the last :data:`RECENT_INDICES` reach (the latest pass's, where a
+        rollback gave a position out again)."""
+        latest = {position: index for e, position, index in self._recent
+                  if e == epoch and start <= position < stop}
+        return [latest[position] for position in sorted(latest)]
 
     @override
     def __iter__(self) -> Iterator[int]:

@@ -9,6 +9,7 @@ import random
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from mmengine.dataset import DefaultSampler
 from mmengine.dataset import worker_init_fn as mmengine_worker_init_fn
@@ -183,3 +184,25 @@ def test_iterable_datasets_are_skipped_by_loading() -> None:
 
     assert make_resumable(DataLoader(Stream(), batch_size=2), seed=0, rank=0) is None
     assert not hasattr(ResumableSampler.__new__(ResumableSampler), 'set_epoch')
+
+
+def test_excluded_samples_are_replaced_in_place_and_a_resumed_pass_agrees() -> None:
+    """Each left-out index becomes the one before it (the first after it at the pass's
+    start): as many indices at the same positions and seeds, so ranks keep their batch
+    counts; a pass resumed inside the epoch gives what the whole pass gave from there."""
+    sampler = DefaultSampler(Noisy(), shuffle=True, seed=3)
+    order = list(sampler)
+    wrapped = ResumableSampler(sampler, seed=3, rank=0, seeded=True)
+    wrapped.exclude([order[0], order[1], order[5]])
+    wrapped.begin(epoch=0)
+    full = list(wrapped)
+    expected = [order[2], order[2], order[2], order[3], order[4], order[4], *order[6:]]
+    assert [int(i) for i in full] == expected
+    assert [i.seed for i in full] == [stream_seed(3, 0, 0, p) for p in range(len(order))]
+    wrapped.begin(epoch=0, skip=4)
+    assert [(int(i), i.seed) for i in wrapped] == [(int(i), i.seed) for i in full[4:]]
+    assert wrapped.given_out(0, 4, 6) == [order[4], order[4]]  # what the pass gave out last
+    wrapped.exclude(order)
+    wrapped.begin(epoch=0)
+    with pytest.raises(ValueError, match='leaves out every index'):
+        list(wrapped)

@@ -1,6 +1,7 @@
 """compat.py: the supported versions and the private names we rely on are checked at import."""
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -107,3 +108,29 @@ def test_a_counted_backward_moves_mmengines_accumulation_boundary() -> None:
     assert not wrapper.should_update()
     compat.count_backward(wrapper)
     assert wrapper.should_update()
+
+
+def test_a_fused_optimizer_given_found_inf_leaves_parameters_and_state_unchanged() -> None:
+    """engine/nonfinite.py skips a non-finite ZeRO-0 fp32 update on the device through
+    ``found_inf``, which torch's fused optimizers honour (``_step_supports_amp_scaling``,
+    the flag GradScaler reads); unfused ones do not say so."""
+    from torch.optim import SGD, AdamW
+
+    for make in (lambda p: AdamW(p, lr=0.1, fused=True),
+                 lambda p: SGD(p, lr=0.1, momentum=0.9, fused=True)):
+        model = torch.nn.Linear(3, 2)
+        optimizer = make(model.parameters())
+        assert compat.found_inf_supported(optimizer)
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()  # state exists
+        before = ({k: v.clone() for k, v in model.state_dict().items()},
+                  copy.deepcopy(optimizer.state_dict()['state']))
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.found_inf = torch.tensor(1.0)
+        optimizer.step()
+        del optimizer.found_inf
+        assert all(torch.equal(v, before[0][k]) for k, v in model.state_dict().items())
+        for index, state in optimizer.state_dict()['state'].items():
+            assert all(torch.equal(v, before[1][index][k]) for k, v in state.items()
+                       if isinstance(v, torch.Tensor))
+    assert not compat.found_inf_supported(SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1))
