@@ -192,7 +192,8 @@ class FailedStep:
         cause = '; '.join(what) or 'gradients not finite, losses finite on every rank'
         batches = '; '.join(f'rank {rank}: {indices if indices is not None else "unknown"}'
                             for rank, indices in sorted(self.batches.items()))
-        state = 'update skipped' if self.skipped else 'update applied'
+        # a non-finite loss always has its update skipped (engine/nonfinite.py guard_loss)
+        state = 'update skipped' if self.skipped or self.losses else 'update applied'
         return (f'iteration {self.iteration + 1} ({state}): {cause}. Dataset indices of the '
                 f'batches: {batches}.')
 
@@ -226,6 +227,7 @@ class NonFiniteHook(Hook):
 
     def _reset(self) -> None:
         self._counts: dict[str, float] = {}
+        self._loss_scaled: set[str] = set()
         self._consecutive: collections.Counter = collections.Counter()
         self._skips: list[int] = []  # iterations of skipped updates, not yet reported
         self._bad: dict[int, dict[str, float]] = {}  # this rank's non-finite losses
@@ -244,8 +246,12 @@ class NonFiniteHook(Hook):
         if hasattr(hub, 'observe') and self._observing is not hub:
             hub.observe(self._observe)
             self._observing = hub
-        for wrapper in named_wrappers(runner.optim_wrapper).values():
+        wrappers = named_wrappers(runner.optim_wrapper).values()
+        for wrapper in wrappers:
             self._counts[wrapper.skipped_steps_key] = wrapper.step_check.count_now()
+        # fp16: an update skipped with finite losses is DeepSpeed's loss scaler at work
+        # (which ends the run itself at its minimum scale), not a failed step
+        self._loss_scaled = {w.skipped_steps_key for w in wrappers if w.engine.fp16_enabled()}
         self.excluded |= set(hub.runtime_info.get(EXCLUDED_KEY, []))
         if self.excluded:
             sampler = getattr(runner.train_loop, 'resumable_sampler', None)
@@ -275,6 +281,8 @@ class NonFiniteHook(Hook):
         if key.endswith('skipped_steps'):
             last = self._counts.get(key, 0.0)
             self._counts[key] = value
+            if key in self._loss_scaled:
+                return
             if value > last:
                 self._skips.append(iteration)
                 self._consecutive[key] += 1

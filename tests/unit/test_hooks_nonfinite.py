@@ -9,6 +9,7 @@ import pytest
 
 from mmengine_deepspeed.hooks.nonfinite import (
     FailedStep,
+    NonFiniteHook,
     NonFinitePolicy,
     exclude_samples_of,
     is_loss_key,
@@ -59,3 +60,23 @@ def test_exclude_samples_from_a_list_or_a_file(tmp_path: object) -> None:
         exclude_samples_of(path + '.missing')
     with pytest.raises(ValueError, match='list of dataset indices'):
         exclude_samples_of([1, -2])
+
+
+def test_fp16_loss_scaling_skips_are_counted_but_are_not_failed_steps() -> None:
+    """fp16 needs CUDA, which this machine lacks: the hook's observer is driven by hand
+    with what an fp16 engine's wrapper publishes. Twenty updates skipped by the loss
+    scaler (finite losses) neither fail a step nor reach max_consecutive; a non-finite loss
+    still does."""
+    hook = NonFiniteHook(NonFinitePolicy(max_consecutive=3))
+    hook._loss_scaled = {'train/skipped_steps'}
+    for iteration in range(20):
+        hook._observe('train/skipped_steps', iteration, float(iteration + 1))
+    assert hook._skips == [] and hook._limit_reached() is None
+    assert hook._counts['train/skipped_steps'] == 20.0
+    hook._observe('train/loss', 21, float('inf'))
+    assert hook._bad == {21: {'train/loss': float('inf')}}
+    plain = NonFiniteHook(NonFinitePolicy(max_consecutive=3))
+    for iteration in range(3):  # fp32/bf16: each skip is a failed step
+        plain._observe('train/skipped_steps', iteration, float(iteration + 1))
+    assert plain._skips == [0, 1, 2]
+    assert plain._limit_reached() == '3 consecutive updates skipped (max_consecutive=3)'
