@@ -63,6 +63,8 @@ class StepCheck:
         self.ours = not (engine.zero_optimization() or engine.fp16_enabled()
                          or engine.bfloat16_enabled())
         self._skipped: Optional[torch.Tensor] = None  # our skips, on the device
+        self._host_skips = 0  # those decided on the host (an unfused optimizer)
+        self._before = 0
 
     def before_step(self, norm: Optional[torch.Tensor]) -> None:
         """Arrange for the coming update (a boundary) to be skipped if its gradients are
@@ -72,6 +74,7 @@ class StepCheck:
             norm (torch.Tensor, optional): The gradients' global norm, if computed
                 already (for clipping); computed here otherwise.
         """
+        self._before = int(self.engine.skipped_steps) + self._host_skips
         if not self.ours:
             return
         params = [p for p in self.engine.module.parameters() if p.grad is not None]
@@ -85,6 +88,7 @@ class StepCheck:
         if found_inf_supported(optimizer):
             optimizer.found_inf = bad.float()  # read by the fused kernels: no host read
         elif bool(bad):  # the one host read per update a non-fused optimizer needs
+            self._host_skips += 1
             for p in params:
                 p.grad = None
 
@@ -93,6 +97,11 @@ class StepCheck:
         optimizer = self.engine.optimizer
         if self.ours and hasattr(optimizer, 'found_inf'):
             del optimizer.found_inf
+
+    def skipped_on_host(self) -> bool:
+        """Whether the last update is known on the host to have been skipped (DeepSpeed's
+        checks, or ours with an unfused optimizer; not ours on the device)."""
+        return int(self.engine.skipped_steps) + self._host_skips > self._before
 
     def count_now(self) -> float:
         """:meth:`published_count` as a number (a host read where ours are counted: for

@@ -167,7 +167,9 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         norm = self.engine.get_global_grad_norm()
         if norm is None:
             norm = fallback_norm
-        if norm is not None:  # a tensor stays on the device until the hub is read
+        # a skipped update's norm (inf) would hold the log's window mean at inf; where the
+        # skip is known on the host it is left out (a device-side skip's is logged)
+        if norm is not None and not self.step_check.skipped_on_host():
             self.message_hub.update_scalar(f'{self._log_prefix}grad_norm', norm)
         if self.engine.fp16_enabled():
             self.message_hub.update_scalar(f'{self._log_prefix}loss_scale',

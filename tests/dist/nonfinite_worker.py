@@ -80,6 +80,8 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     scalars = hub.log_scalars
     result['losses'] = [float(v) for v in scalars['train/loss'].data[0]] \
         if 'train/loss' in scalars else []
+    result['grad_norms'] = [float(v) for v in scalars['train/grad_norm'].data[0]] \
+        if 'train/grad_norm' in scalars else []
     result['skipped'] = [float(v) for v in scalars['train/skipped_steps'].data[0]] \
         if 'train/skipped_steps' in scalars else []
     result['state'] = model_state(runner.model.module)

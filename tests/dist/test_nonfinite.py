@@ -11,6 +11,7 @@ the run told from its start to leave the samples out; checkpoints remember them)
 from __future__ import annotations
 
 import json
+import math
 import os.path as osp
 from typing import Any
 
@@ -79,6 +80,8 @@ def test_a_step_not_finite_on_one_rank_is_skipped_everywhere_and_said(runs: Any,
     for rank in range(2):
         assert _finite(results[name][rank]) and results[name][rank].get('exit') is None
         assert results[name][rank]['skipped'][-1] == 1.0  # counted, at every precision
+        if name != 'fused_z0':  # skipped on the host: its norm stays out of the log's means
+            assert all(math.isfinite(v) for v in results[name][rank]['grad_norms'])
     assert all(torch.equal(results[name][0]['state'][k], results[name][1]['state'][k])
                for k in results[name][0]['state'])
     log = results[name][0]['log']
