@@ -44,6 +44,7 @@ from typing_extensions import override
 from ..checkpoint.checkpointer import agreed_path
 from ..checkpoint.layout import latest_complete
 from ..dist import cpu_group
+from ..engine.optim_wrapper import DeepSpeedOptimWrapper
 from ..engine.spec import named_wrappers
 from .agreement import agreement_of, logging_interval
 from .preemption import at_update_boundary, save_preemption_checkpoint
@@ -246,7 +247,8 @@ class NonFiniteHook(Hook):
         if hasattr(hub, 'observe') and self._observing is not hub:
             hub.observe(self._observe)
             self._observing = hub
-        wrappers = named_wrappers(runner.optim_wrapper).values()
+        wrappers = [w for w in named_wrappers(runner.optim_wrapper).values()
+                    if isinstance(w, DeepSpeedOptimWrapper)]
         for wrapper in wrappers:
             self._counts[wrapper.skipped_steps_key] = wrapper.step_check.count_now()
         # fp16: an update skipped with finite losses is DeepSpeed's loss scaler at work
@@ -328,7 +330,8 @@ class NonFiniteHook(Hook):
                 self._recent.append(step.iteration)
         while self._recent and self._recent[0] <= runner.iter - self.policy.window:
             self._recent.popleft()
-        self._unresolved += steps
+        if self.policy.policy == 'rollback':
+            self._unresolved += steps
         if runner.rank == 0:
             with open(osp.join(runner.work_dir, STEPS_FILE), 'a', encoding='utf-8') as f:
                 for step in steps:

@@ -6,7 +6,8 @@ Usage (under torchrun): ``nonfinite_worker.py OUT_DIR SCENARIO_JSON [...]``; a s
 "nan" | "inf", "how": "input" | "loss"}}``. ``how='input'`` poisons the rank's batch (its
 gradients are not finite); ``'loss'`` adds the value to its loss only (its gradients are).
 Or ``"bad": {"samples": [...]}`` with ``dataset_type='CorruptToyDataset'``: those dataset
-indices hold NaN inputs (corrupt data, whichever rank and iteration draws them).
+indices hold NaN inputs (corrupt data, whichever rank and iteration draws them); with
+``"model": "gan"``, the toy GAN (two optimizers) on images of which those are NaN.
 Each rank writes ``OUT_DIR/NAME.rankR.pt``.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from mmengine.registry import DATASETS, MODELS, RUNNERS
 
 import mmengine_deepspeed  # noqa: F401
 from tests.helpers import ToyDataset, ToyModel, model_state, run_scenarios, toy_config
+from tests.toy_gan import ToyImageDataset, gan_config
 
 BAD: dict[str, Any] = {}
 
@@ -60,14 +62,34 @@ class CorruptToyDataset(ToyDataset):
         return item
 
 
+@DATASETS.register_module()
+class CorruptToyImageDataset(ToyImageDataset):
+    """ToyImageDataset whose images ``BAD['samples']`` are NaN."""
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        item = super().__getitem__(index)
+        if index in BAD.get('samples', ()):
+            item['inputs'] = item['inputs'] * float('nan')
+        return item
+
+
+def _history(scalars: dict, key: str) -> list[float]:
+    return [float(v) for v in scalars[key].data[0]] if key in scalars else []
+
+
 def run(out_dir: str, scenario: dict[str, Any]) -> None:
     name = scenario['name']
     BAD.clear()
     BAD.update(scenario.get('bad', {}))
     BAD.setdefault('ranks', [BAD.get('rank', 1)])
-    cfg = toy_config(osp.join(out_dir, name), **dict(
-        dict(model=dict(type='BadStepToyModel', with_bn=False), max_iters=16, val=False,
-             param_scheduler=None), **scenario['cfg']))
+    if scenario.get('model') == 'gan':
+        cfg = gan_config(osp.join(out_dir, name), max_iters=16, val=False,
+                         **scenario['cfg'])
+        cfg['train_dataloader']['dataset']['type'] = 'CorruptToyImageDataset'
+    else:
+        cfg = toy_config(osp.join(out_dir, name), **dict(
+            dict(model=dict(type='BadStepToyModel', with_bn=False), max_iters=16, val=False,
+                 param_scheduler=None), **scenario['cfg']))
     cfg['launcher'] = 'pytorch'
     cfg['experiment_name'] = name
     runner = RUNNERS.build(Config(dict(cfg, runner_type='DeepSpeedRunner')))
@@ -78,12 +100,11 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
         result['exit'] = e.code
     hub = runner.message_hub
     scalars = hub.log_scalars
-    result['losses'] = [float(v) for v in scalars['train/loss'].data[0]] \
-        if 'train/loss' in scalars else []
-    result['grad_norms'] = [float(v) for v in scalars['train/grad_norm'].data[0]] \
-        if 'train/grad_norm' in scalars else []
-    result['skipped'] = [float(v) for v in scalars['train/skipped_steps'].data[0]] \
-        if 'train/skipped_steps' in scalars else []
+    result['losses'] = _history(scalars, 'train/loss')
+    result['grad_norms'] = _history(scalars, 'train/grad_norm')
+    result['skipped'] = _history(scalars, 'train/skipped_steps')
+    result['skipped_by'] = {key: _history(scalars, f'train/{key}.skipped_steps')
+                            for key in ('generator', 'discriminator')}
     result['state'] = model_state(runner.model.module)
     result['log'] = ''
     log_file = getattr(runner.logger.handlers[-1], 'baseFilename', None)

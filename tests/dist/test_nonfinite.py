@@ -44,6 +44,8 @@ SKIPPED = [
 SCENARIOS: list[dict[str, Any]] = [
     *SKIPPED,
     {'name': 'clean_z0', 'cfg': {'ds_config': zero(0)}},
+    *({'name': f'gan_z{s}', 'model': 'gan', 'cfg': {'ds_config': zero(s)}, 'bad': {
+        'samples': [5]}} for s in (0, 3)),
     {'name': 'stop_z0', 'cfg': {'ds_config': zero(0), 'checkpoint': CHECKPOINT,
                                 'nonfinite': {'policy': 'stop'}}, 'bad': BAD_RANK1},
     {'name': 'every_z3', 'cfg': {'ds_config': zero(3), 'nonfinite': {'max_consecutive': 3}},
@@ -149,3 +151,20 @@ def test_a_resumed_run_keeps_leaving_the_samples_out(runs: Any) -> None:
         assert resumed['excluded'] == EXCLUDED and resumed['skipped'][-1] == 0.0
         for key, value in resumed['state'].items():
             assert torch.equal(value, results['rollback_z2'][rank]['state'][key]), key
+
+
+@pytest.mark.parametrize('name', ['gan_z0', 'gan_z3'])
+def test_several_optimizers_skip_only_the_one_whose_step_failed(runs: Any, name: str) -> None:
+    """A corrupt real image makes the discriminator's loss NaN: its update is skipped (once
+    per epoch the image comes back), the generator's are not; the log names loss_d."""
+    out, results = runs
+    for rank in range(2):
+        result = results[name][rank]
+        assert _finite(result) and result.get('exit') is None
+        skipped_d = result['skipped_by']['discriminator'][-1]
+        assert skipped_d >= 1 and result['skipped_by']['generator'][-1] == 0.0
+    with open(osp.join(out, name, 'nonfinite_steps.jsonl')) as f:
+        steps = [json.loads(line) for line in f]
+    assert len(steps) == skipped_d
+    assert all('train/loss_d' in next(iter(step['losses'].values())) for step in steps)
+    assert all(any(5 in batch for batch in step['batches'].values()) for step in steps)

@@ -80,3 +80,18 @@ def test_fp16_loss_scaling_skips_are_counted_but_are_not_failed_steps() -> None:
         plain._observe('train/skipped_steps', iteration, float(iteration + 1))
     assert plain._skips == [0, 1, 2]
     assert plain._limit_reached() == '3 consecutive updates skipped (max_consecutive=3)'
+
+
+def test_a_loss_spike_is_a_failed_step_once_the_window_is_full() -> None:
+    """The rollback policy's spike check, on the losses the hub hands its observer."""
+    hook = NonFiniteHook(NonFinitePolicy(policy='rollback', spike_zscore=6, spike_window=20))
+    losses = [1.0 + 0.01 * ((i * 7) % 5) for i in range(20)]
+    hook._observe('train/loss', 0, 50.0)  # the window is not full yet: no verdict
+    assert hook._spikes == []
+    hook._losses.clear()
+    for iteration, loss in enumerate(losses):
+        hook._observe('train/loss', iteration, loss)
+    hook._observe('train/loss', 20, 1.03)
+    hook._observe('train/loss', 21, 5.0)
+    hook._observe('train/loss_cls', 22, 9.0)  # the total loss only
+    assert hook._spikes == [21]
