@@ -9,9 +9,9 @@ and acts on it, without a host read of its own:
   with the iteration they were logged at, and every optimizer's count of skipped
   updates (``skipped_steps``, logged at every precision);
 * at each logging iteration the ranks agree (``hooks/agreement.py``, on a CPU
-  group) whether any of them saw a non-finite loss or a loss spike; only then, or
-  when an update was skipped, do they gather what each saw (a second small
-  collective, on failures only): the iteration, the ranks, the loss keys and the
+  group) whether any of them saw a skipped update, a non-finite loss or a loss
+  spike; only then do they gather what each saw (a second small collective, on
+  failures only): the iteration, the ranks, the loss keys and the
   dataset indices of each rank's batch. Rank 0 logs it and appends it to
   ``work_dir/nonfinite_steps.jsonl``;
 * the policy (``nonfinite=dict(policy=...)``, :class:`NonFinitePolicy`) then
@@ -273,9 +273,9 @@ class NonFiniteHook(Hook):
         def flags() -> list[float]:
             if (runner.iter + 1) % self._interval == 0 and hasattr(hub, 'read_pending'):
                 hub.read_pending()  # the read LoggerHook makes at this iteration anyway
-            return ([float(rank == runner.rank and bool(self._bad)) for rank in range(world)]
-                    + [float(rank == runner.rank and bool(self._spikes))
-                       for rank in range(world)])
+            # the same decision to gather on every rank, whatever each has read so far
+            seen = bool(self._bad or self._skips or self._spikes)
+            return [float(rank == runner.rank and seen) for rank in range(world)]
 
         agreement_of(runner).provide('nonfinite', flags)
 
@@ -318,8 +318,7 @@ class NonFiniteHook(Hook):
             self._stop(runner)
 
     def _report(self, runner: Any) -> None:
-        flags = agreement_of(runner).agreed(runner.iter)['nonfinite']
-        if not self._skips and not any(flags):
+        if not any(agreement_of(runner).agreed(runner.iter)['nonfinite']):
             self._positions.clear()
             return
         steps = self._gather(runner)
