@@ -37,7 +37,8 @@ from .engine.compile import compile_options, compile_report
 from .engine.offload import check_nvme
 from .engine.spec import EngineSpecs
 from .failure import failing_together
-from .hooks.nonfinite import NonFiniteHook, NonFinitePolicy, exclude_samples_of
+from .hooks.failed_steps import NonFinitePolicy, exclude_samples_of
+from .hooks.nonfinite import NonFiniteHook
 from .hooks.runner_methods import HookMethods
 from .loops import resumable_loop
 from .message_hub import MessageHubMethods
