@@ -12,8 +12,9 @@ What DeepSpeed already does, and what is added here:
   PyTorch can skip on the device (``fused=True``: AdamW, Adam, SGD, Adagrad) gets
   ``found_inf`` as ``torch.amp.GradScaler`` gives it, without a host read; any other
   reads the decision on the host once per update, as ``GradScaler`` does for it,
-  and a skipped update leaves every gradient ``None``, which torch optimizers step
-  over (no state changes).
+  and a skipped update has every gradient set to ``None`` by a step pre-hook (after
+  DeepSpeed's clipping, which needs them), which torch optimizers step over: no
+  parameter or state changes.
 * **A non-finite loss with finite gradients** (a NaN added to a loss, a detached
   term) would still be applied everywhere: :func:`guard_loss` makes the gradient
   that flows back from a non-finite loss NaN, on the device, so the check above
@@ -21,7 +22,7 @@ What DeepSpeed already does, and what is added here:
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from deepspeed import DeepSpeedEngine
@@ -65,6 +66,18 @@ class StepCheck:
         self._skipped: Optional[torch.Tensor] = None  # our skips, on the device
         self._host_skips = 0  # those decided on the host (an unfused optimizer)
         self._before = 0
+        self._drop_grads = False
+        if self.ours and not found_inf_supported(engine.optimizer):
+            engine.optimizer.register_step_pre_hook(self._before_optimizer_step)
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The optimizer's step pre-hook: a skipped update's gradients are dropped here,
+        after DeepSpeed clipped them (its clipping fails without any)."""
+        if self._drop_grads:
+            self._drop_grads = False
+            for group in optimizer.param_groups:
+                for p in group['params']:
+                    p.grad = None
 
     def before_step(self, norm: Optional[torch.Tensor]) -> None:
         """Arrange for the coming update (a boundary) to be skipped if its gradients are
@@ -89,8 +102,7 @@ class StepCheck:
             optimizer.found_inf = bad.float()  # read by the fused kernels: no host read
         elif bool(bad):  # the one host read per update a non-fused optimizer needs
             self._host_skips += 1
-            for p in params:
-                p.grad = None
+            self._drop_grads = True
 
     def after_step(self) -> None:
         """Take back what :meth:`before_step` gave the optimizer."""
