@@ -55,6 +55,14 @@ SCENARIOS: list[dict[str, Any]] = [
         'nonfinite': {'policy': 'rollback', 'max_consecutive': 1}}},
     {'name': 'excluded_z2', 'bad': CORRUPT, 'cfg': {
         'ds_config': zero(2), 'dataset_type': 'CorruptToyDataset', 'exclude_samples': EXCLUDED}},
+    # the epoch loop, ZeRO-3: the rollback restarts the restored epoch inside run_epoch
+    {'name': 'rollback_epochs_z3', 'bad': CORRUPT, 'cfg': {
+        'ds_config': zero(3), 'dataset_type': 'CorruptToyDataset', 'checkpoint': CHECKPOINT,
+        'by_epoch': True, 'max_epochs': 4, 'nonfinite': {'policy': 'rollback',
+                                                         'max_consecutive': 1}}},
+    {'name': 'excluded_epochs_z3', 'bad': CORRUPT, 'cfg': {
+        'ds_config': zero(3), 'dataset_type': 'CorruptToyDataset', 'by_epoch': True,
+        'max_epochs': 4, 'exclude_samples': EXCLUDED}},
     # resumed from the rollback's checkpoint after it: keeps leaving the samples out
     {'name': 'resumed_z2', 'bad': CORRUPT, 'cfg': {
         'ds_config': zero(2), 'dataset_type': 'CorruptToyDataset', 'resume': True,
@@ -127,9 +135,10 @@ def test_a_run_whose_every_step_fails_stops_under_skip(runs: Any) -> None:
     assert '3 consecutive updates skipped (max_consecutive=3)' in results['every_z3'][0]['log']
 
 
-def test_rollback_equals_the_run_told_to_leave_the_samples_out(runs: Any) -> None:
+@pytest.mark.parametrize('loop', ['z2', 'epochs_z3'])
+def test_rollback_equals_the_run_told_to_leave_the_samples_out(runs: Any, loop: str) -> None:
     out, results = runs
-    rolled, excluded = results['rollback_z2'], results['excluded_z2']
+    rolled, excluded = results[f'rollback_{loop}'], results[f'excluded_{loop}']
     log = rolled[0]['log']
     assert 'rank 0: loss=nan' in log and 'rolling back to' in log and 'iter_2.pth' in log
     for rank in range(2):
@@ -138,7 +147,7 @@ def test_rollback_equals_the_run_told_to_leave_the_samples_out(runs: Any) -> Non
             assert torch.equal(value, excluded[rank]['state'][key]), key
     # rank 0's losses (a checkpoint holds rank 0's message hub, as MMEngine's does)
     assert rolled[0]['losses'] == excluded[0]['losses']
-    with open(osp.join(out, 'rollback_z2', 'excluded_samples.json')) as f:
+    with open(osp.join(out, f'rollback_{loop}', 'excluded_samples.json')) as f:
         assert json.load(f) == EXCLUDED
 
 
