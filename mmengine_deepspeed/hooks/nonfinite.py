@@ -8,10 +8,11 @@ and acts on it, without a host read of its own:
   interval (``DeferredMessageHub.observe``): each rank's non-finite losses,
   with the iteration they were logged at, and every optimizer's count of skipped
   updates (``skipped_steps``, logged at every precision);
-* at each logging iteration the ranks agree (``hooks/agreement.py``, on a CPU
-  group) whether any of them saw a skipped update, a non-finite loss or a loss
-  spike; only then do they gather what each saw (a second small collective, on
-  failures only): the iteration, the ranks, the loss keys and the
+* at each of the run's agreements (``hooks/agreement.py``, on a CPU group: the
+  logging iterations, and about every 2 s between them) the ranks agree whether
+  any of them saw a skipped update, a non-finite loss or a loss spike; only then do
+  they read the hub (every loss until now) and gather what each saw (a second small
+  collective, on failures only): the iteration, the ranks, the loss keys and the
   dataset indices of each rank's batch. Rank 0 logs it and appends it to
   ``work_dir/nonfinite_steps.jsonl``;
 * the policy (``nonfinite=dict(policy=...)``, :class:`NonFinitePolicy`) then
@@ -182,15 +183,23 @@ class NonFiniteHook(Hook):
         loop = runner.train_loop
         if hasattr(loop, 'batch_position'):
             self._positions[runner.iter] = loop.batch_position(batch_idx)
-        if self._stopping is None and (runner.iter + 1) % self._interval == 0:
-            self._report(runner)
+        logging = (runner.iter + 1) % self._interval == 0
+        if self._stopping is None and (logging or agreement_of(runner).due(runner.iter)):
+            self._report(runner, logging)
         if self._stopping is not None and at_update_boundary(runner.optim_wrapper):
             self._stop(runner)
 
-    def _report(self, runner: Any) -> None:
+    def _report(self, runner: Any, logging: bool) -> None:
+        """At the run's agreements: the logging iterations (the hub was read: everything
+        is known) and, about every 2 s between them, what the host knows already (skips
+        DeepSpeed decided): a stop or rollback comes within seconds of those."""
         if not any(agreement_of(runner).agreed(runner.iter)['nonfinite']):
-            self._positions.clear()
+            if logging:  # between them, losses not read yet may still prove bad
+                self._positions.clear()
             return
+        hub = runner.message_hub
+        if hasattr(hub, 'read_pending'):
+            hub.read_pending()  # something failed: the losses until now, read on every rank
         steps = self._gather(runner)
         self._positions.clear()
         self._skips, self._bad, self._spikes = [], {}, []

@@ -8,11 +8,13 @@ gradients are not finite); ``'loss'`` adds the value to its loss only (its gradi
 Or ``"bad": {"samples": [...]}`` with ``dataset_type='CorruptToyDataset'``: those dataset
 indices hold NaN inputs (corrupt data, whichever rank and iteration draws them); with
 ``"model": "gan"``, the toy GAN (two optimizers) on images of which those are NaN.
+``"sleep": S`` makes each training forward take S seconds longer.
 Each rank writes ``OUT_DIR/NAME.rankR.pt``.
 """
 from __future__ import annotations
 
 import os.path as osp
+import time
 from typing import Any, Optional
 
 import torch
@@ -42,6 +44,8 @@ class BadStepToyModel(ToyModel):
                and dist.get_rank() in BAD['ranks'])
         if mode == 'loss' and self.training:
             self.forwards += 1
+        if mode == 'loss' and self.training and BAD.get('sleep'):
+            time.sleep(BAD['sleep'])  # a slow step: the agreements come between logging ones
         value = float(BAD.get('value', 'nan'))
         if bad and BAD.get('how', 'input') == 'input':
             inputs = inputs * value

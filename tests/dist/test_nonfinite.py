@@ -48,6 +48,11 @@ SCENARIOS: list[dict[str, Any]] = [
         'samples': [5]}} for s in (0, 3)),
     {'name': 'stop_z0', 'cfg': {'ds_config': zero(0), 'checkpoint': CHECKPOINT,
                                 'nonfinite': {'policy': 'stop'}}, 'bad': BAD_RANK1},
+    # LoggerHook's interval 10, steps of 0.5 s: the agreements come every 2 iterations
+    {'name': 'stop_soon_z2', 'cfg': {
+        'ds_config': zero(2), 'nonfinite': {'policy': 'stop'},
+        'default_hooks': {'logger': {'type': 'LoggerHook', 'interval': 10}}},
+     'bad': dict(BAD_RANK1, sleep=0.5)},
     {'name': 'every_z3', 'cfg': {'ds_config': zero(3), 'nonfinite': {'max_consecutive': 3}},
      'bad': {'rank': 0, 'iters': list(range(100))}},
     {'name': 'rollback_z2', 'bad': CORRUPT, 'cfg': {
@@ -126,6 +131,17 @@ def test_stop_ends_every_rank_with_a_checkpoint_of_the_last_good_state(runs: Any
     assert _finite(results['stop_z0'][0])
     assert 'Stopping every rank after iteration 5: nonfinite.policy="stop"' in \
         results['stop_z0'][0]['log']
+
+
+def test_a_stop_comes_at_the_next_agreement_not_the_next_logging_iteration(runs: Any) -> None:
+    """DeepSpeed's skip is known on the host at once; the agreements about every 2 s of
+    training (every 2nd iteration here) act on it: stopped after iteration 6, not 10, and
+    the log still names the rank and its loss (the hub was read for it)."""
+    out, results = runs
+    assert [results['stop_soon_z2'][r]['exit'] for r in range(2)] == [3, 3]
+    assert len(results['stop_soon_z2'][0]['losses']) == 6
+    assert 'iteration 5 (update skipped): rank 1: loss=nan' in results['stop_soon_z2'][0]['log']
+    assert osp.isfile(osp.join(out, 'stop_soon_z2', 'iter_6.pth', 'COMPLETE'))
 
 
 def test_a_run_whose_every_step_fails_stops_under_skip(runs: Any) -> None:
