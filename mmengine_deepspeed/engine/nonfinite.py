@@ -63,8 +63,8 @@ class StepCheck:
         # ZeRO-0 fp32: DeepSpeed steps the torch optimizer as it is.
         self.ours = not (engine.zero_optimization() or engine.fp16_enabled()
                          or engine.bfloat16_enabled())
-        self._skipped: Optional[torch.Tensor] = None  # our skips, on the device
-        self._host_skips = 0  # those decided on the host (an unfused optimizer)
+        self._skipped: Optional[torch.Tensor] = None  # ours on the device (fused optimizer)
+        self._host_skips = 0  # ours decided on the host (an unfused optimizer)
         self._before = 0
         self._drop_grads = False
         if self.ours and not found_inf_supported(engine.optimizer):
@@ -96,10 +96,10 @@ class StepCheck:
         if norm is None:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         bad = torch.logical_not(torch.isfinite(norm))
-        self._skipped = bad.long() if self._skipped is None else self._skipped + bad
         optimizer = self.engine.optimizer
         if found_inf_supported(optimizer):
             optimizer.found_inf = bad.float()  # read by the fused kernels: no host read
+            self._skipped = bad.long() if self._skipped is None else self._skipped + bad
         elif bool(bad):  # the one host read per update a non-fused optimizer needs
             self._host_skips += 1
             self._drop_grads = True
@@ -122,8 +122,7 @@ class StepCheck:
 
     def published_count(self) -> Union[torch.Tensor, float]:
         """Skipped updates so far: DeepSpeed's count plus ours (a device tensor, read when
-        the message hub is, where ours are counted)."""
-        if self._skipped is None:
-            return float(self.engine.skipped_steps)
-        return self._skipped + int(self.engine.skipped_steps)
+        the message hub is, where a fused optimizer skipped on the device)."""
+        known = int(self.engine.skipped_steps) + self._host_skips
+        return float(known) if self._skipped is None else self._skipped + known
 
