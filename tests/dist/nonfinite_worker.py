@@ -55,15 +55,19 @@ class BadStepToyModel(ToyModel):
         return out
 
 
+def _corrupted(item: dict[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
+    """``item`` with NaN inputs if ``index`` is one of ``BAD['samples']``."""
+    if index in BAD.get('samples', ()):
+        item['inputs'] = item['inputs'] * float('nan')
+    return item
+
+
 @DATASETS.register_module()
 class CorruptToyDataset(ToyDataset):
     """ToyDataset whose samples ``BAD['samples']`` hold NaN inputs."""
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        item = super().__getitem__(index)
-        if index in BAD.get('samples', ()):
-            item['inputs'] = item['inputs'] * float('nan')
-        return item
+        return _corrupted(super().__getitem__(index), index)
 
 
 @DATASETS.register_module()
@@ -71,10 +75,7 @@ class CorruptToyImageDataset(ToyImageDataset):
     """ToyImageDataset whose images ``BAD['samples']`` are NaN."""
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        item = super().__getitem__(index)
-        if index in BAD.get('samples', ()):
-            item['inputs'] = item['inputs'] * float('nan')
-        return item
+        return _corrupted(super().__getitem__(index), index)
 
 
 def _history(scalars: dict, key: str) -> list[float]:
