@@ -18,9 +18,10 @@ time goes, by package. --models picks the models (mlp: ~4.5M parameters in fp32)
 With --host-bound, the runner and the raw loop train two host-bound models (TinyGPT of
 width 32, 12 and 24 blocks, 2 samples of 16 tokens) at ZeRO 0-3 while py-spy samples rank 0
 (a sampler: cProfile's per-call cost would swamp small Python functions), and a table splits
-each iteration's host time between MMEngine's loop, this package, DeepSpeed, torch and the
-model by the innermost Python frame: what this package adds per iteration, whatever the
-depth. Needs py-spy (in the dev extra).
+the training thread's CPU time per iteration between MMEngine's loop, this package,
+DeepSpeed, torch and the model by the innermost Python frame (a frame's release charged to
+the function released, see ``overhead_worker.spy_ms``): what this package adds per
+iteration, whatever the depth. Needs py-spy (in the dev extra).
 
 With --compiled, each round also trains the runner with MMEngine's compile=True (each
 engine's module through DeepSpeed's engine.compile(), inductor), and a third table puts its
@@ -57,7 +58,7 @@ MODES = ('raw', 'runner', 'strategy')
 WORKER = osp.join(osp.dirname(osp.abspath(__file__)), 'overhead_worker.py')
 # warm-up, measured
 ITERS = {'gpt125m': (5, 30), 'gpt': (10, 80), 'mlp': (10, 60), 'tiny': (20, 200),
-         'deep12': (10, 100), 'deep24': (10, 100)}
+         'deep12': (10, 200), 'deep24': (10, 200)}
 HOST_BOUND = ('deep12', 'deep24')
 # The host-bound table's columns: own time of these profile rows, runner and raw loop.
 HOST_ROWS = ('mmengine', 'mmengine_deepspeed', 'deepspeed', 'torch (Python)', 'model')
@@ -246,11 +247,12 @@ def main() -> None:
               'module (engine.compile(), inductor); its first iteration includes compilation.')
     if host_bound:
         print('\n' + host_bound_table(host_bound))
-        print('\nms per iteration, runner / raw loop, by the package of the innermost Python '
-              "frame in py-spy's samples of rank 0's training thread (1000 per second, "
-              'measured iterations only; C and C++ code is booked to the Python code that '
-              "called it, so torch's row holds the kernels). 2 ranks and the sampler share the "
-              'cores: compare rows with the iteration, not with unprofiled speeds.')
+        print("\nCPU ms per iteration of rank 0's training thread, runner / raw loop, shared "
+              "out by the package of the innermost Python frame in py-spy's samples of that "
+              'thread (1000 per second, measured iterations only, idle samples left out; C '
+              "and C++ code is booked to the Python code that called it, so torch's row holds "
+              "the kernels; a returning frame's release to that frame's function). Waits in "
+              'collectives are not CPU time: "iteration" is the CPU part of an iteration.')
     if profiles:
         print('\n' + profile_table(profiles))
         print('\nOwn time: time in each package\'s functions themselves, callees excluded; '

@@ -87,14 +87,16 @@ class DeferredMessageHub(MessageHub):
             return
         pending, self._pending = self._pending, []
         self._pending_keys.clear()
-        groups: dict[torch.device, list[int]] = {}
+        # stacked per dtype, so one cast per dtype, not per value
+        groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
         for index, entry in enumerate(pending):
-            groups.setdefault(entry[1].device, []).append(index)
+            groups.setdefault(entry[1].device, {}).setdefault(entry[1].dtype, []).append(index)
         values: list[Union[int, float]] = [0] * len(pending)
-        for indices in groups.values():
-            read = torch.stack([pending[i][1].reshape(()).to(torch.float64)
-                                for i in indices]).tolist()
-            for i, number in zip(indices, read):
+        for by_dtype in groups.values():
+            read = torch.cat([torch.stack([pending[i][1].reshape(()) for i in indices]).to(
+                torch.float64) for indices in by_dtype.values()]).tolist()
+            order = (i for indices in by_dtype.values() for i in indices)
+            for i, number in zip(order, read):
                 values[i] = int(number) if not pending[i][1].is_floating_point() else number
         for (key, _, count, resumed, iteration), number in zip(pending, values):
             super().update_scalar(key, number, count, resumed)

@@ -33,22 +33,22 @@ from ..compat import found_inf_supported
 def guard_loss(loss: torch.Tensor) -> torch.Tensor:
     """Make the gradients of a non-finite ``loss`` non-finite (on the device; no read).
 
-    A finite loss's gradient passes unchanged, bit for bit.
+    The loss is multiplied by ``d - d + 1`` of its detached value ``d``: exactly 1 for a
+    finite value (``x - x`` is 0 in IEEE arithmetic), NaN for an Inf or a NaN. So a
+    finite loss's value and gradient pass unchanged, bit for bit, in its own dtype, and
+    nothing runs in Python during backward (a gradient hook would call back into Python
+    at every backward).
 
     Args:
         loss (torch.Tensor): The loss about to be back-propagated.
 
     Returns:
-        torch.Tensor: ``loss``, with a gradient hook.
+        torch.Tensor: What to back-propagate: ``loss`` itself if it needs no gradient.
     """
-    if loss.requires_grad:
-        finite = torch.isfinite(loss.detach())
-
-        def poison(grad: torch.Tensor) -> torch.Tensor:
-            return torch.where(finite, grad, torch.full_like(grad, float('nan')))
-
-        loss.register_hook(poison)
-    return loss
+    if not loss.requires_grad:
+        return loss
+    value = loss.detach()
+    return loss * (value - value + 1)
 
 
 class StepCheck:

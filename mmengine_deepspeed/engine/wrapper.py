@@ -85,6 +85,9 @@ class DeepSpeedEngineWrapper(nn.Module):
             (self.engine,) = self.engines.values()  # a submodule: parameters() reach the model
         # Not a submodule: the engines own the parameters (and ZeRO-3 hooks).
         self.__dict__['_whole_model'] = model
+        # The user's model, read by hooks and by the steps many times per iteration: kept
+        # outside nn.Module's registries, whose lookup (two, through the engine) costs more.
+        self.__dict__['_user_model'] = model if model is not None else self.engine.module
         preprocessor = getattr(self.module, 'data_preprocessor', None)
         device = {engine.device for engine in self.engines.values()}.pop()
         if isinstance(preprocessor, BaseDataPreprocessor) and preprocessor.device != device:
@@ -93,8 +96,7 @@ class DeepSpeedEngineWrapper(nn.Module):
     @property
     def module(self) -> nn.Module:
         """The user's model, for hooks and for code written for DDP."""
-        whole = self.__dict__['_whole_model']
-        return whole if whole is not None else self.engine.module
+        return self.__dict__['_user_model']
 
     @override
     def __getattr__(self, name: str) -> Any:
@@ -103,7 +105,7 @@ class DeepSpeedEngineWrapper(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name.startswith('__') or '_whole_model' not in self.__dict__:
+            if name.startswith('__') or '_user_model' not in self.__dict__:
                 raise
             return getattr(self.module, name)
 

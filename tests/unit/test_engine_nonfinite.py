@@ -25,6 +25,17 @@ def test_a_finite_loss_keeps_its_gradients_bit_for_bit() -> None:
     assert all(torch.equal(a, b) for a, b in zip(plain, guarded))
 
 
+def test_a_finite_bf16_loss_keeps_its_value_dtype_and_gradients() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(4, 4, dtype=torch.bfloat16, requires_grad=True)
+    loss = (weight * 3).pow(2).mean()
+    guarded = guard_loss(loss)
+    assert guarded.dtype == torch.bfloat16 and torch.equal(guarded.detach(), loss.detach())
+    (plain,) = torch.autograd.grad(loss, weight, retain_graph=True)
+    (through,) = torch.autograd.grad(guarded, weight)
+    assert torch.equal(plain, through)
+
+
 def test_a_non_finite_loss_with_finite_gradients_gets_non_finite_ones() -> None:
     """A NaN or Inf added to the loss (a detached term) leaves the gradients finite: the
     update would be applied on every rank without the guard."""
