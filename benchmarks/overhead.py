@@ -16,8 +16,9 @@ cProfile (the tiny model at ZeRO-2, or --profile-case) and prints where each ite
 time goes, by package. --models picks the models (mlp: ~4.5M parameters in fp32).
 
 With --host-bound, the runner and the raw loop train two host-bound models (TinyGPT of
-width 32, 12 and 24 blocks, 2 samples of 16 tokens) at ZeRO 0-3 while py-spy samples rank 0
-(a sampler: cProfile's per-call cost would swamp small Python functions), and a table splits
+width 32, 12 and 24 blocks, 2 samples of 16 tokens) at ZeRO 0-3 while py-spy samples rank 0,
+on a core of its own (a sampler: cProfile's per-call cost would swamp small Python
+functions), and a table splits
 the training thread's CPU time per iteration between MMEngine's loop, this package,
 DeepSpeed, torch and the model by the innermost Python frame (a frame's release charged to
 the function released, see ``overhead_worker.spy_ms``): what this package adds per
