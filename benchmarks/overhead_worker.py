@@ -29,6 +29,7 @@ import pstats  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 import types  # noqa: E402
 import warnings  # noqa: E402
 from typing import Any, Optional  # noqa: E402
@@ -79,7 +80,7 @@ class Recorder:
         rank0 = int(os.environ['RANK']) == 0
         self.profiler = cProfile.Profile() if profile and rank0 else None
         self.spy_file = spy if rank0 else None
-        self.spy_cores = pin_for_sampling(rank0) if spy is not None else None
+        self.pin = spy is not None
         self.spy: Optional[subprocess.Popen] = None
         # CPU time of this (the training) thread while sampled: what its code cost, where
         # wall time also counts the time the 2 ranks and the sampler wait for a core
@@ -97,8 +98,9 @@ class Recorder:
             gc.freeze()
             if self.profiler is not None:
                 self.profiler.enable()
+            cores = pin_for_sampling(self.spy_file is not None) if self.pin else None
             if self.spy_file is not None:
-                self.spy = start_spy(self.spy_file, self.spy_cores)
+                self.spy = start_spy(self.spy_file, cores)
                 self.spy_cpu.append(time.thread_time())
                 self.stamps[-1] = (time.time(), time.process_time())  # from the first sample
         if self.spy is not None and len(self.stamps) == self.warmup + self.iters:
@@ -125,20 +127,25 @@ SPY_RATE = 1000  # samples per second
 
 
 def pin_for_sampling(sampled: bool) -> Optional[set[int]]:
-    """Give the sampled rank (0) a core of its own, the other ranks and the sampler the
-    rest; return the sampler's cores (None with one core: nothing pinned).
+    """Give the sampled rank's (0) training thread a core of its own, every other thread
+    (its gloo workers, the other ranks) and the sampler the rest; return the sampler's
+    cores (None with one core: nothing pinned). Called at the end of the warm-up, when
+    every thread the run uses exists.
 
     A thread that waits for a core is runnable, so py-spy counts its samples where it was
     preempted, mostly at system calls (``time.process_time()`` read 0.1-0.7 ms per
     iteration that way, for a call of under 1 us): on 2 cores shared by 2 ranks and the
-    sampler, that waiting would be booked to whatever code made a system call.
+    sampler, that waiting would be booked to whatever code made a system call. The
+    sampled rank's gloo workers run the collectives' transfers (at ZeRO-3, one gather per
+    module and iteration): on the training thread's core, they would preempt it too.
     """
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         return None
-    mine = {cores[0]} if sampled else set(cores[1:])
-    for thread in os.listdir('/proc/self/task'):  # threads started later inherit it
-        os.sched_setaffinity(int(thread), mine)
+    training = threading.get_native_id()
+    for thread in map(int, os.listdir('/proc/self/task')):
+        os.sched_setaffinity(thread, {cores[0]} if sampled and thread == training
+                             else set(cores[1:]))
     return set(cores[1:])
 
 

@@ -13,7 +13,11 @@ it), under an experiment name no earlier runner in the process has taken.
 
 Whoever needs every value as it becomes a number, with the iteration it was logged
 at (``hooks/nonfinite.py``: a loss that was not finite on this rank), registers an
-observer (:meth:`DeferredMessageHub.observe`) instead of reading the tensors itself.
+observer (:meth:`DeferredMessageHub.observe`) instead of reading the tensors itself,
+with the keys it wants: which observers a key goes to is decided once per key.
+
+Its histories are :class:`~.history.GrowingHistory`: MMEngine's ``HistoryBuffer``
+copies its whole history at every update (2.5 ms per iteration by iteration 100 000).
 """
 from __future__ import annotations
 
@@ -26,12 +30,14 @@ from mmengine.runner import Runner
 from typing_extensions import override
 
 from .compat import register_message_hub, set_experiment_name
+from .history import GrowingHistory
 
 # Read anyway after this many values: a run whose hub nobody reads keeps no more.
 MAX_PENDING = 10_000
 
 # (key, iteration it was logged at, value): called for each scalar as it becomes a number.
 Observer = Callable[[str, int, float], None]
+KeyFilter = Callable[[str], bool]
 
 
 class DeferredMessageHub(MessageHub):
@@ -47,12 +53,22 @@ class DeferredMessageHub(MessageHub):
         super().__init__(name, **kwargs)
         self._pending: list[tuple[str, torch.Tensor, int, bool, int]] = []
         self._pending_keys: set[str] = set()
-        self._observers: list[Observer] = []
+        self._observers: list[tuple[Observer, KeyFilter]] = []
+        self._observers_of: dict[str, tuple[Observer, ...]] = {}  # by key, decided once
 
-    def observe(self, observer: Observer) -> None:
-        """Call ``observer(key, iteration, value)`` for every scalar from now on, as it
-        becomes a number on the host (when the hub is read, for a tensor)."""
-        self._observers.append(observer)
+    def observe(self, observer: Observer, keys: KeyFilter = lambda key: True) -> None:
+        """Call ``observer(key, iteration, value)`` for every scalar whose key ``keys``
+        accepts from now on, as it becomes a number on the host (when the hub is read,
+        for a tensor)."""
+        self._observers.append((observer, keys))
+        self._observers_of.clear()
+
+    def _observers_for(self, key: str) -> tuple[Observer, ...]:
+        observers = self._observers_of.get(key)
+        if observers is None:
+            observers = tuple(observer for observer, keys in self._observers if keys(key))
+            self._observers_of[key] = observers
+        return observers
 
     def _iteration(self) -> int:
         return int(self.runtime_info.get('iter', -1))
@@ -75,10 +91,19 @@ class DeferredMessageHub(MessageHub):
             return
         if key in self._pending_keys:  # a key's history stays in order
             self.read_pending()
-        super().update_scalar(key, value, count, resumed)
-        if self._observers and isinstance(value, (int, float)):
-            for observer in self._observers:
+        self._update_history(key, value, count, resumed)
+        observers = self._observers_for(key)
+        if observers and isinstance(value, (int, float)):
+            for observer in observers:
                 observer(key, self._iteration(), float(value))
+
+    def _update_history(self, key: str, value: Any, count: int, resumed: bool) -> None:
+        """MMEngine's update, in a :class:`~.history.GrowingHistory` (MMEngine makes a
+        ``HistoryBuffer`` for a new key; one loaded from a checkpoint is one too)."""
+        super().update_scalar(key, value, count, resumed)
+        history = self._log_scalars[key]
+        if type(history) is HistoryBuffer:
+            self._log_scalars[key] = GrowingHistory.of(history)
 
     def read_pending(self) -> None:
         """Put the kept tensor values into the history: one host read per device (as
@@ -99,8 +124,8 @@ class DeferredMessageHub(MessageHub):
             for i, number in zip(order, read):
                 values[i] = int(number) if not pending[i][1].is_floating_point() else number
         for (key, _, count, resumed, iteration), number in zip(pending, values):
-            super().update_scalar(key, number, count, resumed)
-            for observer in self._observers:
+            self._update_history(key, number, count, resumed)
+            for observer in self._observers_for(key):
                 observer(key, iteration, float(number))
 
     @property
@@ -123,8 +148,14 @@ class DeferredMessageHub(MessageHub):
 
     @override
     def state_dict(self) -> dict:
+        """MMEngine's, its histories as plain ``HistoryBuffer`` (a checkpoint loads
+        without this package)."""
         self.read_pending()
-        return super().state_dict()
+        state = super().state_dict()
+        state['log_scalars'] = OrderedDict(
+            (key, history.plain() if isinstance(history, GrowingHistory) else history)
+            for key, history in state['log_scalars'].items())
+        return state
 
     @override
     def load_state_dict(self, state_dict: Union[MessageHub, dict]) -> None:

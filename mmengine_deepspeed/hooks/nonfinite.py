@@ -116,7 +116,7 @@ class NonFiniteHook(Hook):
         self._reset()
         hub = runner.message_hub
         if hasattr(hub, 'observe') and self._observing is not hub:
-            hub.observe(self._observe)
+            hub.observe(self._observe, self._observed_key)
             self._observing = hub
         wrappers = [w for w in named_wrappers(runner.optim_wrapper).values()
                     if isinstance(w, DeepSpeedOptimWrapper)]
@@ -149,6 +149,11 @@ class NonFiniteHook(Hook):
             return [float(rank == runner.rank and seen) for rank in range(world)]
 
         agreement_of(runner).provide('nonfinite', flags)
+
+    @staticmethod
+    def _observed_key(key: str) -> bool:
+        """The hub keys :meth:`_observe` acts on: skip counts and losses."""
+        return key.endswith('skipped_steps') or is_loss_key(key)
 
     def _observe(self, key: str, iteration: int, value: float) -> None:
         if key.endswith('skipped_steps'):

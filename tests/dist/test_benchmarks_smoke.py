@@ -21,6 +21,7 @@ pytestmark = pytest.mark.dist
     ('benchmarks/stop_and_resume.py', ('agreement / step', 'DeepSpeedRunner s to first step')),
     ('benchmarks/plan_accuracy.py', ('plan/measured', 'Accelerate MiB', 'DeepSpeed MiB',
                                       'within the target')),
+    ('benchmarks/history.py', ("MMEngine's MessageHub ms/iter", '| 10000 |')),
     ('benchmarks/scale.py --cold', ('construction MiB', 'DeepSpeed estimate MiB', 'zero3_init',
                              'Largest measured size')),
 ])

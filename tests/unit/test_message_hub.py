@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import math
+import pickle
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 import torch
-from mmengine.logging import MessageHub
+from mmengine.logging import HistoryBuffer, MessageHub
 from torch.overrides import TorchFunctionMode
 
+from mmengine_deepspeed.history import GrowingHistory
 from mmengine_deepspeed.message_hub import DeferredMessageHub
 
 
@@ -92,3 +95,53 @@ def test_observers_see_each_value_with_the_iteration_it_was_logged_at() -> None:
     assert losses[2] == (2, float('inf'))
     assert [(i, v) for key, i, v in seen if key == 'train/skipped_steps'] == [
         (0, 0.0), (1, 1.0), (2, 2.0)]
+
+
+def test_an_observer_sees_only_the_keys_it_asked_for() -> None:
+    """NonFiniteHook wants losses and skip counts, not the lr and timings MMEngine logs
+    every iteration: the others never call it, kept tensors or plain numbers."""
+    hub = DeferredMessageHub.build('filtered_hub_test')
+    wanted: list[str] = []
+    everything: list[str] = []
+    hub.observe(lambda key, iteration, value: wanted.append(key), lambda key: 'loss' in key)
+    hub.observe(lambda key, iteration, value: everything.append(key))
+    for _ in range(2):
+        hub.update_scalar('train/loss', torch.tensor(1.0))
+        hub.update_scalar('train/lr', 0.1)
+        hub.update_scalar('train/time', torch.tensor(0.5))
+        hub.update_scalar('train/loss_cls', 2.0)
+    hub.read_pending()
+    assert sorted(wanted) == ['train/loss', 'train/loss', 'train/loss_cls', 'train/loss_cls']
+    assert sorted(everything) == sorted(['train/loss', 'train/lr', 'train/time',
+                                         'train/loss_cls'] * 2)
+    hub.observe(lambda key, iteration, value: wanted.append('late ' + key),
+                lambda key: key == 'train/lr')  # a later observer is asked about known keys
+    hub.update_scalar('train/lr', 0.2)
+    assert wanted[-1] == 'late train/lr'
+
+
+def test_histories_grow_in_place_and_are_saved_as_mmengine_s() -> None:
+    """Every key's history is a GrowingHistory (no copy of the history per update), the
+    same numbers as MessageHub's; a checkpoint's state holds plain HistoryBuffers (it
+    loads without this package), which become GrowingHistory again at their next update."""
+    hub = DeferredMessageHub.build('growing_hub_test')
+    reference = MessageHub('growing_hub_reference')
+    for step in range(30):
+        for target in (hub, reference):
+            target.update_scalar('train/lr', 0.1 * step)
+            target.update_scalar('train/loss', torch.tensor(1.0 / (step + 1)))
+            target.update_scalar('train/iters', step)  # ints stay ints, as in MMEngine
+    for key in ('train/lr', 'train/loss', 'train/iters'):
+        history = hub.get_scalar(key)
+        assert isinstance(history, GrowingHistory)
+        for ours, theirs in zip(history.data, reference.get_scalar(key).data):
+            assert ours.dtype == theirs.dtype
+            np.testing.assert_array_equal(ours, theirs)
+        assert history.mean(10) == reference.get_scalar(key).mean(10)
+    state = hub.state_dict()
+    assert {type(h) for h in state['log_scalars'].values()} == {HistoryBuffer}
+    restored = DeferredMessageHub.build('growing_hub_restored')
+    restored.load_state_dict(pickle.loads(pickle.dumps(state)))
+    restored.update_scalar('train/lr', 3.0)
+    assert isinstance(restored.get_scalar('train/lr'), GrowingHistory)
+    assert list(restored.get_scalar('train/lr').data[0][-2:]) == [0.1 * 29, 3.0]

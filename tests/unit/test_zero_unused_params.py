@@ -88,3 +88,32 @@ def test_the_graph_is_walked_again_only_when_its_size_changes_or_periodically(
     assert len(agreements) == 1
     backward('none')  # the 50th: every rank walks and agrees
     assert agreements[1] == {'body.weight', 'body.bias'}
+
+
+def test_the_walk_reaches_exactly_the_parameters_that_get_gradients() -> None:
+    """reached_parameters against autograd itself: tied weights (one leaf, two uses), a
+    shared subexpression (a node reached twice), a frozen and an unused parameter, a branch
+    that this input skips, a leaf that is not a parameter."""
+    from mmengine_deepspeed.zero.unused_params import reached_parameters
+
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight  # tied
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    unused = nn.Linear(4, 4)
+    skipped = nn.Linear(4, 4)
+    scale = torch.ones(4, requires_grad=True)  # a leaf, not a parameter
+    x = emb(torch.tensor([1, 2, 3]))
+    shared = frozen(x) * scale
+    out = head(shared + shared.tanh())  # `shared` reached along two paths
+    if out.sum() > 1e9:  # never: this input skips the branch
+        out = out + skipped(x).sum()
+    loss = out.pow(2).mean()
+    leaves = [emb.weight, frozen.weight, unused.weight, skipped.weight, scale]
+    grads = torch.autograd.grad(loss, [t for t in leaves if t.requires_grad],
+                                retain_graph=True, allow_unused=True)
+    expected = {id(t) for t, g in zip([t for t in leaves if t.requires_grad], grads)
+                if g is not None}
+    assert reached_parameters(loss) == expected == {id(emb.weight), id(scale)}
+    assert reached_parameters(loss.detach()) == set()
