@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Callable, Optional, cast
 
 import torch
@@ -264,22 +262,13 @@ def diff_rank_seed(runner: Any) -> bool:
     return bool(randomness_cfg(runner).get('diff_rank_seed', False))
 
 
-@contextmanager
-def hooks_in_call(runner: Any, hooks: list) -> Iterator[None]:
-    """Make ``runner``'s hook list ``hooks`` for one ``call_hook`` (MMEngine's iterates
-    ``Runner._hooks``; DeepSpeedRunner adds its own hooks there for the call only,
-    tests/dist/test_runner_contract.py)."""
-    registered = registered_hooks(runner)
+def swap_hooks(runner: Any, hooks: list) -> list:
+    """Make ``hooks`` ``runner``'s hook list and return the list it replaced (MMEngine's
+    ``call_hook`` iterates ``Runner._hooks``, which ``runner.hooks`` returns; DeepSpeedRunner
+    adds its own hooks there for one call only, tests/dist/test_runner_contract.py)."""
+    registered = cast(list, runner._hooks)
     runner._hooks = hooks
-    try:
-        yield
-    finally:
-        runner._hooks = registered
-
-
-def registered_hooks(runner: Any) -> list:
-    """``Runner._hooks`` itself (``runner.hooks`` is the same list)."""
-    return cast(list, runner._hooks)
+    return registered
 
 
 def set_loop_position(loop: Any, epoch: int, iteration: int) -> None:
