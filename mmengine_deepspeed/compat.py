@@ -332,6 +332,13 @@ def cpu_probes() -> list[Callable[[], bool]]:
             if probe is not None]
 
 
+def scalar_histories(hub: Any) -> dict:
+    """A MessageHub's histories by key: the dict itself (``MessageHub._log_scalars``, an
+    instance attribute; the ``log_scalars`` property returns the same dict, but the runner's
+    hub reads its kept tensors before it returns). Pinned by tests/unit/test_compat.py."""
+    return cast(dict, hub._log_scalars)
+
+
 def register_message_hub(name: str, hub: Any) -> None:
     """Make ``hub`` (a MessageHub subclass's instance) what ``MessageHub.get_instance(name)``
     and ``MessageHub.get_current_instance()`` return: MMEngine's ``ManagerMixin`` keeps one

@@ -22,6 +22,18 @@ from mmengine.logging import HistoryBuffer
 from typing_extensions import override
 
 MIN_CAPACITY = 16
+FLOAT64, INT64 = np.dtype(np.float64), np.dtype(np.int64)
+INT64_RANGE = range(-2**63, 2**63)
+
+
+def _widened(array: np.ndarray, value: Union[int, float]) -> np.ndarray:
+    """``array``, in the dtype ``np.append(array, value)`` would give (the same array if
+    that is its own: float64 takes any int or float, int64 any int in its range)."""
+    if array.dtype == FLOAT64 or (array.dtype == INT64 and type(value) is int
+                                  and value in INT64_RANGE):
+        return array
+    dtype = np.result_type(array.dtype, np.asarray(value).dtype)
+    return array if dtype == array.dtype else array.astype(dtype)
 
 
 class GrowingHistory(HistoryBuffer):
@@ -86,12 +98,8 @@ class GrowingHistory(HistoryBuffer):
                             f'must be int but got {type(count)}')
         if self._end == len(self._logs):
             self._grow()
-        for name, value in (('_logs', log_val), ('_counts', count)):
-            array = getattr(self, name)
-            if array.dtype != np.float64:  # float64 takes ints and floats as they are
-                dtype = np.result_type(array.dtype, np.asarray(value).dtype)
-                if dtype != array.dtype:
-                    setattr(self, name, array.astype(dtype))
+        self._logs = _widened(self._logs, log_val)
+        self._counts = _widened(self._counts, count)
         self._logs[self._end] = log_val
         self._counts[self._end] = count
         self._end += 1

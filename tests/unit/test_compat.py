@@ -43,6 +43,16 @@ def test_the_public_history_of_a_buffer_is_what_we_save() -> None:
     assert [float(v) for v in buffer.data[1]] == [1.0, 1.0]
 
 
+def test_a_hubs_histories_are_the_dict_log_scalars_returns() -> None:
+    """message_hub.py appends to known keys through compat.scalar_histories."""
+    from mmengine.logging import MessageHub
+
+    hub = MessageHub('scalar_histories_pin')
+    hub.update_scalar('train/loss', 1.0)
+    assert compat.scalar_histories(hub) is hub.log_scalars
+    assert isinstance(compat.scalar_histories(hub)['train/loss'], HistoryBuffer)
+
+
 def test_storage_key_is_one_per_storage_also_on_meta() -> None:
     """plan counts saved activations once per storage (views share one)."""
     import torch

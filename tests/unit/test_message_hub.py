@@ -145,3 +145,23 @@ def test_histories_grow_in_place_and_are_saved_as_mmengine_s() -> None:
     restored.update_scalar('train/lr', 3.0)
     assert isinstance(restored.get_scalar('train/lr'), GrowingHistory)
     assert list(restored.get_scalar('train/lr').data[0][-2:]) == [0.1 * 29, 3.0]
+
+
+def test_a_known_key_s_update_checks_what_mmengine_checks() -> None:
+    """A plain number for a known key is appended without MessageHub.update_scalar; every
+    other update still goes through it: another ``resumed`` for the key fails as in
+    MMEngine, numpy numbers and tensors are read as MMEngine reads them, a loaded state's
+    resumed flags are MMEngine's to check."""
+    hub = DeferredMessageHub.build('fast_path_hub_test')
+    hub.update_scalar('train/lr', 0.1)
+    hub.update_scalar('train/lr', 0.2)
+    with pytest.raises(AssertionError, match='resumed'):
+        hub.update_scalar('train/lr', 0.3, resumed=False)
+    hub.update_scalar('train/lr', np.float64(0.4))
+    hub.update_scalar('train/lr', 5)
+    assert list(hub.get_scalar('train/lr').data[0]) == [0.1, 0.2, 0.4, 5.0]
+    hub.update_scalar('train/eta', 1.0, resumed=False)
+    hub.load_state_dict({'log_scalars': {}, 'runtime_info': {},
+                         'resumed_keys': {'train/eta': True}})
+    with pytest.raises(AssertionError, match='resumed'):
+        hub.update_scalar('train/eta', 2.0, resumed=False)  # the loaded flag holds now
