@@ -54,6 +54,7 @@ class GrowingHistory(HistoryBuffer):
         self._logs = np.array([])
         self._counts = np.array([])
         self._start = self._end = 0
+        self._floats = True  # float64 values: any int or float appends as it is
         super().__init__(cast(Sequence, log_history), cast(Sequence, count_history),
                          max_length)  # through the setters
 
@@ -79,6 +80,7 @@ class GrowingHistory(HistoryBuffer):
     def _log_history(self, values: np.ndarray) -> None:
         self._logs = np.asarray(values)
         self._start, self._end = 0, len(self._logs)
+        self._floats = self._takes_any_number()
 
     @property  # type: ignore[explicit-override]  # an attribute in HistoryBuffer
     def _count_history(self) -> np.ndarray:
@@ -88,18 +90,25 @@ class GrowingHistory(HistoryBuffer):
     def _count_history(self, counts: np.ndarray) -> None:
         self._counts = np.asarray(counts)
         self._start, self._end = 0, len(self._counts)
+        self._floats = self._takes_any_number()
+
+    def _takes_any_number(self) -> bool:
+        """Whether any int or float value, with an int count, appends without a new dtype."""
+        return self._logs.dtype == FLOAT64 and self._counts.dtype in (INT64, FLOAT64)
 
     @override
     def update(self, log_val: Union[int, float], count: int = 1) -> None:
         """Append one value and its count, as ``HistoryBuffer.update`` (same checks, same
         dtype promotion: an int history becomes float at its first float)."""
-        if not isinstance(log_val, (int, float)) or not isinstance(count, (int, float)):
-            raise TypeError(f'log_val must be int or float but got {type(log_val)}, count '
-                            f'must be int but got {type(count)}')
+        if not (self._floats and type(log_val) in (int, float) and type(count) is int):
+            if not isinstance(log_val, (int, float)) or not isinstance(count, (int, float)):
+                raise TypeError(f'log_val must be int or float but got {type(log_val)}, '
+                                f'count must be int but got {type(count)}')
+            self._logs = _widened(self._logs, log_val)
+            self._counts = _widened(self._counts, count)
+            self._floats = self._takes_any_number()
         if self._end == len(self._logs):
             self._grow()
-        self._logs = _widened(self._logs, log_val)
-        self._counts = _widened(self._counts, count)
         self._logs[self._end] = log_val
         self._counts[self._end] = count
         self._end += 1
