@@ -3,9 +3,9 @@
 ``HistoryBuffer.update`` appends with ``np.append``, which copies both arrays (values and
 counts) at every update, and a buffer keeps up to a million values: every scalar the
 message hub logs (loss, lr, time, data_time, grad norm...) costs time proportional to
-the run's length so far. On 2 Xeon cores one update took 3 us with 1 000 values kept,
-320 us with 100 000 and 1.2 ms with a million: at ~8 keys per iteration, about 2.5 ms of
-host time per iteration by iteration 100 000, where a raw training loop pays nothing.
+the run's length so far: for the 8 keys a training iteration logs, about 1 ms of host time
+per iteration by iteration 100 000 and 12 ms by 1 000 000 on 2 Xeon cores
+(``benchmarks/history.py``), where a raw training loop pays nothing.
 :class:`GrowingHistory` keeps the values in arrays with room to spare (doubled when full),
 so an update writes one element; what it holds and every statistic are what
 ``HistoryBuffer`` would give, dtypes included. The runner's message hub
