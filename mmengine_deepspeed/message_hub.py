@@ -96,9 +96,7 @@ class DeferredMessageHub(MessageHub):
         if key in self._pending_keys:  # a key's history stays in order
             self.read_pending()
         self._update_history(key, value, count, resumed)
-        observers = self._observers_of.get(key)
-        if observers is None:
-            observers = self._observers_for(key)
+        observers = self._observers_for(key)
         if observers and isinstance(value, (int, float)):
             for observer in observers:
                 observer(key, self._iteration(), float(value))
