@@ -19,6 +19,7 @@ import torch
 from mmengine.runner.loops import _InfiniteDataloaderIterator
 from packaging.version import Version
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 
 # Supported [lowest, next-unsupported) versions; pyproject.toml pins the same.
 SUPPORTED = {'deepspeed': ('0.19', '0.20'), 'mmengine': ('0.10.7', '0.11')}
@@ -55,6 +56,10 @@ PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
      '(tests/unit/test_message_hub.py)'),
     ('torch._dynamo.utils', None, 'counters',
      'the compile report of compile=... runs (tests/dist/test_compile.py)'),
+    ('torch.utils._python_dispatch', None, 'TorchDispatchMode',
+     'subclassed: plan sees the operands of the kernels a traced step calls (torch documents '
+     'it in "Extending PyTorch" but exports it from no public module; '
+     'tests/unit/test_plan_transients.py)'),
     ('torch.autograd.graph', 'Node', '_sequence_nr',
      'the same-parameters check walks the graph again only when its size changed '
      '(tests/unit/test_compat.py)'),
@@ -278,6 +283,11 @@ def set_loop_position(loop: Any, epoch: int, iteration: int) -> None:
 
 
 # --- torch ------------------------------------------------------------------------------
+
+# torch documents its dispatch modes ("Extending PyTorch") but exports the base class from no
+# public module; plan/transients.py subclasses it (tests/unit/test_plan_transients.py)
+TorchDispatchMode = _TorchDispatchMode
+
 
 def dynamo_counts() -> dict[str, int]:
     """dynamo's process-wide compile counters (torch has no public API for them; pinned by

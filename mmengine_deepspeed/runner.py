@@ -42,6 +42,7 @@ from .hooks.nonfinite import NonFiniteHook
 from .hooks.runner_methods import HookMethods
 from .loops import resumable_loop
 from .message_hub import MessageHubMethods
+from .plan.census import import_scope
 from .plan.planner import predicted_peak_mib
 from .process_memory import rss_mib
 from .quiet import quiet_deepspeed
@@ -98,10 +99,15 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
                  allow_unsafe_checkpoints: Optional[bool] = None,
                  zero_init: Optional[bool] = None, nonfinite: Optional[dict] = None,
                  exclude_samples: Union[list[int], str, None] = None, **kwargs: Any):
-        # what the process holds before any model or data: the banner's plan starts here
-        self.rss_at_start_mib = 0.0 if cuda_available() else rss_mib()
         bound = inspect.signature(Runner.__init__).bind(self, *args, **kwargs)
         arguments = bound.arguments
+        # what the process holds before any model or data, with the modules that building
+        # them from the config's scope imports (as plan's fixed cost): the banner's plan
+        # starts here
+        self.rss_at_start_mib = 0.0
+        if not cuda_available():
+            import_scope(arguments.get('default_scope', 'mmengine'))
+            self.rss_at_start_mib = rss_mib()
         cfg = arguments.get('cfg')
         cfg = Config(cfg) if isinstance(cfg, dict) and not isinstance(cfg, Config) else cfg
         if ds_config is None and cfg is not None:

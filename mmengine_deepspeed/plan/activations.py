@@ -29,6 +29,7 @@ from typing_extensions import override
 from ..engine.spec import SINGLE_ENGINE
 from .census import construction_note, on_meta
 from .saved import SavedTensorCounter
+from .transients import BroadcastOperands, copies_broadcast
 
 
 @dataclass
@@ -44,6 +45,9 @@ class Activations:
         method (str): ``'traced'`` (meta device), ``'probe'`` (a real forward in
             ``plan``) or ``'measured'`` (a training run's first step).
         note (str, optional): Why tracing failed, for a probe.
+        broadcast (int): Elements of the largest operand a batched matmul of the step
+            reads broadcast (:class:`~.transients.BroadcastOperands`), which the CPU's
+            16-bit kernels copy whole for the call.
     """
 
     float_bytes: int
@@ -52,11 +56,20 @@ class Activations:
     micro_batch: int
     method: str
     note: Optional[str] = None
+    broadcast: int = 0
 
     def bytes_at(self, micro_batch: int, element_size: int) -> float:
         """Saved bytes at ``micro_batch`` samples with floats of ``element_size`` bytes."""
         scale = micro_batch / self.micro_batch
         return scale * (self.float_bytes * element_size / self.float_size + self.other_bytes)
+
+    def transient_at(self, micro_batch: int, element_size: int, cuda: bool) -> float:
+        """Bytes one kernel call takes beyond what is saved: a broadcast operand that the
+        CPU's 16-bit ``bmm`` copies. Its batch is the input's leading dimension, the
+        micro-batch or another, so it is scaled up with a larger micro-batch, never down."""
+        if not copies_broadcast(cuda, element_size):
+            return 0.0
+        return max(1.0, micro_batch / self.micro_batch) * self.broadcast * element_size
 
 
 def _to(value: Any, device: str) -> Any:
@@ -118,17 +131,19 @@ def one_batch(cfg: Config) -> Any:
 
 
 def _count(model: nn.Module, batch: Any, checkpointed: list[str],
-           engines: list[str]) -> tuple[int, int]:
-    """(float bytes, other bytes) one ``train_step`` saves for backward at most at once."""
+           engines: list[str]) -> tuple[int, int, int]:
+    """(float bytes, other bytes) one ``train_step`` saves for backward at most at once,
+    and the largest broadcast operand of a batched matmul in it (elements)."""
     if checkpointed:
         turn_on_activation_checkpointing(model, checkpointed)
     model.train()
     counter = SavedTensorCounter(model)
     stand_in = _StandIn(counter)
     wrapper: Any = stand_in if engines == [SINGLE_ENGINE] else {name: stand_in for name in engines}
-    with counter.hooks():
+    broadcast = BroadcastOperands()
+    with counter.hooks(), broadcast:
         model.train_step(batch, wrapper)  # type: ignore[operator]  # a BaseModel
-    return counter.peak
+    return (*counter.peak, broadcast.largest)
 
 
 def trace_activations(cfg: Config, model: nn.Module, batch: Any, micro_batch: int,
@@ -151,24 +166,24 @@ def trace_activations(cfg: Config, model: nn.Module, batch: Any, micro_batch: in
     if not on_meta(model):  # its construction needed values: built for real already
         if not probe:
             raise RuntimeError(construction_note(model) or 'the model is not on the meta device')
-        floats, others = _count(model, batch, checkpointed, engines)
+        floats, others, broadcast = _count(model, batch, checkpointed, engines)
         return Activations(floats, others, float_size, micro_batch, 'probe',
                            f'{construction_note(model)}; measured with one real training '
-                           'step')
+                           'step', broadcast)
     preprocessor_cfg = cfg.model.get('data_preprocessor')
     if preprocessor_cfg is not None:
         model.data_preprocessor = _OnMeta(MODELS.build(preprocessor_cfg))
     else:  # the one the model builds itself (mmdet's, mmpretrain's...), on the meta device
         model.data_preprocessor.to('meta')
     try:
-        floats, others = _count(model, batch, checkpointed, engines)
-        return Activations(floats, others, float_size, micro_batch, 'traced')
+        floats, others, broadcast = _count(model, batch, checkpointed, engines)
+        return Activations(floats, others, float_size, micro_batch, 'traced', None, broadcast)
     except Exception as e:  # any forward may need values the meta device lacks
         if not probe:
             raise
         note = f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'.strip(': ')
     real = MODELS.build(cfg.model)
-    floats, others = _count(real, batch, checkpointed, engines)
+    floats, others, broadcast = _count(real, batch, checkpointed, engines)
     return Activations(floats, others, float_size, micro_batch, 'probe',
                        f'tracing on the meta device failed ({note}); measured with one real '
-                       'training step in this process instead')
+                       'training step in this process instead', broadcast)

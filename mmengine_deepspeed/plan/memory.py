@@ -33,12 +33,12 @@ PERSISTENCE = 100_000
 # No allocator model predicts that; these are fitted per ZeRO stage to 80 runs of
 # benchmarks/plan_accuracy.py (10 shapes of 3 model families x fp32/bf16, 2 ranks, 10
 # iterations; `--fit`: the smallest mean prediction with none under 0.95 of its
-# measurement; 24 held-out runs read 0.84-1.21, RESULTS.md section 6): (bytes kept per
-# byte of the fp32 model, per byte of activations), and what the runtime adds on top of
-# the planning process's own RSS (process group, DeepSpeed's engine and ZeRO modules, the
-# runner's hooks), MiB.
-CPU_HEAP_KEPT = {0: (1.15, 0.9), 1: (0.0, 0.3), 2: (0.65, 0.65), 3: (1.45, 1.75)}
-CPU_RUNTIME_MIB = {0: 40.0, 1: 230.0, 2: 160.0, 3: 80.0}
+# measurement; 24 held-out runs read 0.91-1.29, RESULTS.md section 6), with the kernels'
+# transients counted apart (plan/transients.py): (bytes kept per byte of the fp32 model,
+# per byte of activations), and what the runtime adds on top of the planning process's
+# own RSS (process group, DeepSpeed's engine and ZeRO modules, the runner's hooks), MiB.
+CPU_HEAP_KEPT = {0: (1.05, 0.95), 1: (0.0, 0.2), 2: (0.3, 1.05), 3: (1.45, 1.75)}
+CPU_RUNTIME_MIB = {0: 40.0, 1: 240.0, 2: 130.0, 3: 80.0}
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,12 @@ def engine_bytes(engine: EngineCensus, layout: MemoryLayout, zero: dict) -> Brea
 def activation_bytes(activations: Activations, layout: MemoryLayout) -> float:
     """Activations saved for backward at the layout's micro-batch and compute dtype."""
     return activations.bytes_at(layout.micro_batch, layout.compute_bytes)
+
+
+def transient_bytes(activations: Activations, layout: MemoryLayout) -> float:
+    """What one kernel call of the step takes beside the saved activations, at most (a
+    broadcast operand the CPU's 16-bit ``bmm`` copies; ``plan/transients.py``)."""
+    return activations.transient_at(layout.micro_batch, layout.compute_bytes, layout.cuda)
 
 
 def cpu_heap_kept(stage: int, model_bytes: float, activations: float) -> float:

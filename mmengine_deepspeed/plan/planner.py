@@ -35,6 +35,7 @@ from .memory import (
     activation_bytes,
     cpu_heap_kept,
     engine_bytes,
+    transient_bytes,
 )
 
 # (stage, offload optimizer, offload parameters), fastest first: the recommendation is the
@@ -86,14 +87,17 @@ class Plan:
         """The ``--json`` document."""
         recommended = self.recommended
         acts = self.activations
-        saved = acts.bytes_at(acts.micro_batch, 4 if self.precision == 'fp32' else 2)
+        size = 4 if self.precision == 'fp32' else 2
+        saved = acts.bytes_at(acts.micro_batch, size)
+        transient = acts.transient_at(acts.micro_batch, size, self.platform == 'cuda')
         return dict(nproc=self.nproc, nnodes=self.nnodes, platform=self.platform,
                     precision=self.precision, device_mib=round(self.device_mib, 1),
                     fixed_mib=round(self.fixed_mib, 1),
                     rows=[asdict(row) for row in self.rows],
                     recommended=asdict(recommended) if recommended else None,
                     activations=dict(method=acts.method, micro_batch=acts.micro_batch,
-                                     mib=round(saved / MIB, 1)),
+                                     mib=round(saved / MIB, 1),
+                                     transient_mib=round(transient / MIB, 1)),
                     notes=self.notes)
 
 
@@ -189,6 +193,14 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
             plan.notes.append(f'{engine.name}: {engine.states_note}')
     if activations.note:
         plan.notes.append(activations.note)
+    transient = activations.transient_at(micro_batch, compute_bytes, cuda)
+    if transient:
+        plan.notes.append(
+            f'a batched matmul reads a {activations.broadcast * compute_bytes / MIB:.0f} MiB '
+            'operand broadcast over its batch (a frozen layer\'s weight against an input '
+            'that is not contiguous, as nn.MultiheadAttention(batch_first=True) makes): the '
+            f'CPU\'s 16-bit kernels copy it whole, {transient / MIB:.0f} MiB per call, '
+            'counted in each peak, and slowly; fp32 or a contiguous input avoids both')
     return plan
 
 
@@ -209,7 +221,8 @@ class _RowModel:
         total = sum((engine_bytes(e, layout, self.zeros[e.name]) for e in self.engines),
                     Breakdown())
         acts = activation_bytes(self.activations, layout)
-        device = total.peak(acts)
+        # a kernel's transient comes while part of the activations is saved: counted beside all
+        device = total.peak(acts + transient_bytes(self.activations, layout))
         if not layout.cuda:  # one memory: the host's parts and what glibc keeps count too
             model_bytes = sum(4.0 * e.params for e in self.engines)
             device += (total.host + cpu_heap_kept(layout.stage, model_bytes, acts)

@@ -45,7 +45,7 @@ def test_the_meta_trace_counts_what_a_real_step_saves() -> None:
     batch = one_batch(cfg)
     traced = trace_activations(cfg, meta_model(cfg), batch, 4, ['model'])
     real = MODELS.build(cfg.model)
-    floats, others = _count(real, batch, [], ['model'])
+    floats, others, _ = _count(real, batch, [], ['model'])
     assert traced.method == 'traced' and traced.note is None
     # meta's attention decomposes as the math kernel does (it saves the attention weights),
     # CPU's flash kernel saves less: the trace may count more, never less
@@ -143,7 +143,7 @@ def test_the_models_own_preprocessor_is_traced_on_the_meta_device() -> None:
     cfg = _toy(dict(type='PlanOwnPreprocessorModel', with_bn=False))
     acts = trace_activations(cfg, meta_model(cfg), one_batch(cfg), 4, ['model'], probe=False)
     real = MODELS.build(cfg.model)
-    floats, _ = _count(real, one_batch(cfg), [], ['model'])
+    floats, _, _ = _count(real, one_batch(cfg), [], ['model'])
     assert acts.method == 'traced' and acts.float_bytes == floats > 0
 
 

@@ -1,12 +1,16 @@
 """plan/census.py: the model counted on the meta device, engines and optimizer states."""
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import pytest
 import torch
 from mmengine.config import Config
+from mmengine.registry import DefaultScope
 
 import tests.toy_gan  # noqa: F401  registers ToyGAN
-from mmengine_deepspeed.plan.census import census, meta_model, optimizer_states
+from mmengine_deepspeed.plan.census import census, import_scope, meta_model, optimizer_states
 from tests.helpers import toy_config
 from tests.toy_gan import gan_config
 
@@ -69,3 +73,26 @@ def test_several_optimizers_are_one_engine_each_around_their_submodule() -> None
         assert engine.path == name
         assert engine.params == engine.trainable == sum(p.numel() for p in module.parameters())
         assert engine.states == 2
+
+
+def test_a_scope_s_models_and_datasets_are_imported_before_the_fixed_cost_is_read(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library registers its models where its registry's ``locations`` say; building from
+    its scope imports them (MMDetection's: ~110 MiB). The runner reads the RSS the training
+    log's prediction starts from after import_scope, so they are in it, as in plan's."""
+    package = tmp_path / 'scopelib'
+    (package / 'models').mkdir(parents=True)
+    (package / '__init__.py').write_text('')
+    (package / 'registry.py').write_text(
+        'from mmengine.registry import MODELS as ROOT, Registry\n'
+        "MODELS = Registry('model', parent=ROOT, scope='scopelib', "
+        "locations=['scopelib.models'])\n")
+    (package / 'models' / '__init__.py').write_text('IMPORTED = True\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for scope in (None, 'mmengine', 'not_an_installed_package', 'mmengine_deepspeed'):
+        import_scope(scope)  # nothing to import, no warning
+    assert 'scopelib.models' not in sys.modules
+    import_scope('scopelib')
+    assert sys.modules['scopelib.models'].IMPORTED
+    assert DefaultScope.get_current_instance() is None or (
+        DefaultScope.get_current_instance().scope_name != 'scopelib')
