@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 # Supported [lowest, next-unsupported) versions; pyproject.toml pins the same.
 SUPPORTED = {'deepspeed': ('0.19', '0.20'), 'mmengine': ('0.10.7', '0.11')}
 
-# (module, class or None, name): the private names used or overridden, and why.
+# (module, class (a dotted path from the module) or None, name): the private names used or
+# overridden, and why.
 PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
     ('deepspeed.runtime.engine', 'DeepSpeedEngine', '_backward_prologue',
      'ZeRO-3 gradient accumulation through an optimizer stepped outside the engine\'s '
@@ -60,6 +61,9 @@ PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
      'subclassed: plan sees the operands of the kernels a traced step calls (torch documents '
      'it in "Extending PyTorch" but exports it from no public module; '
      'tests/unit/test_plan_transients.py)'),
+    ('torch._ops', 'ops.mkldnn', '_is_mkldnn_bf16_supported',
+     'whether the CPU\'s bf16 bmm copies a broadcast operand (plan/transients.py; '
+     'tests/unit/test_plan_transients.py)'),
     ('torch.autograd.graph', 'Node', '_sequence_nr',
      'the same-parameters check walks the graph again only when its size changed '
      '(tests/unit/test_compat.py)'),
@@ -89,8 +93,8 @@ def missing_private_names() -> list[str]:
     for module_name, class_name, name, why in PRIVATE_NAMES:
         try:
             owner: Any = importlib.import_module(module_name)
-            if class_name is not None:
-                owner = getattr(owner, class_name)
+            for part in class_name.split('.') if class_name else ():
+                owner = getattr(owner, part)
         except (ImportError, AttributeError):
             missing.append(f'{module_name}.{class_name or ""} (for {why})')
             continue
@@ -332,6 +336,15 @@ def storage_key(tensor: torch.Tensor) -> int:
     data_ptr() is 0 for all): the StorageImpl's address. torch has no public identity for a
     storage; pinned by tests/unit/test_compat.py."""
     return int(tensor.untyped_storage()._cdata)
+
+
+def onednn_bf16_matmul() -> bool:
+    """Whether this CPU's bf16 matmuls go to oneDNN (mkldnn enabled, and torch's own probe
+    of the CPU's bf16 support, ``torch.ops.mkldnn._is_mkldnn_bf16_supported``, which torch
+    exports under no public name): that path copies a ``bmm`` operand broadcast over its
+    batch. Pinned on any CPU by tests/unit/test_plan_transients.py."""
+    return bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def cpu_probes() -> list[Callable[[], bool]]:

@@ -33,7 +33,7 @@ PERSISTENCE = 100_000
 # No allocator model predicts that; these are fitted per ZeRO stage to 80 runs of
 # benchmarks/plan_accuracy.py (10 shapes of 3 model families x fp32/bf16, 2 ranks, 10
 # iterations; `--fit`: the smallest mean prediction with none under 0.95 of its
-# measurement; 24 held-out runs read 0.91-1.29, RESULTS.md section 6), with the kernels'
+# measurement; 24 held-out runs read 0.91-1.35, RESULTS.md section 6), with the kernels'
 # transients counted apart (plan/transients.py): (bytes kept per byte of the fp32 model,
 # per byte of activations), and what the runtime adds on top of the planning process's
 # own RSS (process group, DeepSpeed's engine and ZeRO modules, the runner's hooks), MiB.

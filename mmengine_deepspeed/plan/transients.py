@@ -4,10 +4,11 @@
 with ``batch_first=True`` transposes its input) and a weight that needs no gradient
 (a frozen layer) does not fold into one matrix product: it expands the weight over
 the input's leading dimension and calls ``bmm``. CUDA's batched GEMM reads the
-expanded (stride-0) operand in place, and so does the CPU's fp32 kernel; the CPU's
-16-bit kernels copy it whole first (torch 2.13: 64 x a 3072 x 1024 bf16 weight is a
-390 MiB transient for a 12 x 64 x 1024 input, in each frozen attention layer, forward
-and backward). Autograd saves none of it, so :class:`~.saved.SavedTensorCounter`
+expanded (stride-0) operand in place, and so does the CPU's fp32 kernel; where the
+CPU's 16-bit matmuls go to oneDNN (a CPU with bf16 support, mkldnn enabled) the operand
+is copied whole first (torch 2.13: 64 x a 3072 x 1024 bf16 weight is a 390 MiB
+transient for a 12 x 64 x 1024 input, in each frozen attention layer, forward and
+backward). Autograd saves none of it, so :class:`~.saved.SavedTensorCounter`
 cannot see it; the decomposition runs on the meta device too, so a dispatch mode
 over the traced step sees each such call's operands.
 """
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from ..compat import TorchDispatchMode
+from ..compat import TorchDispatchMode, onednn_bf16_matmul
 
 _BATCHED = {torch.ops.aten.bmm.default: (0, 1), torch.ops.aten.baddbmm.default: (1, 2)}
 
@@ -45,5 +46,6 @@ class BroadcastOperands(TorchDispatchMode):
 
 
 def copies_broadcast(cuda: bool, element_size: int) -> bool:
-    """Whether ``bmm`` copies a broadcast operand whole here (the CPU's 16-bit kernels)."""
-    return not cuda and element_size < 4
+    """Whether ``bmm`` copies a broadcast operand whole here: the CPU's 16-bit matmuls
+    through oneDNN (bf16: DeepSpeed trains no fp16 on the CPU)."""
+    return not cuda and element_size < 4 and onednn_bf16_matmul()

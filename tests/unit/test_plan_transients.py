@@ -1,7 +1,9 @@
 """plan/transients.py: the broadcast operands of batched matmuls, and the CPU copies them.
 
-The second test pins the torch behaviour the planner relies on: the CPU's 16-bit ``bmm``
-copies an operand broadcast over its batch, the fp32 kernel does not.
+The CPU tests pin the torch behaviour the planner relies on, on whatever CPU runs them:
+a 16-bit ``bmm`` copies an operand broadcast over its batch exactly where
+``compat.onednn_bf16_matmul`` says oneDNN takes it (never with mkldnn disabled), and the
+fp32 kernel never does.
 """
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ from mmengine.registry import MODELS
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from mmengine_deepspeed.compat import onednn_bf16_matmul
 from mmengine_deepspeed.plan.activations import Activations
 from mmengine_deepspeed.plan.planner import make_plan
-from mmengine_deepspeed.plan.transients import BroadcastOperands
+from mmengine_deepspeed.plan.transients import BroadcastOperands, copies_broadcast
 from tests.helpers import IN_FEATURES, NUM_CLASSES
 
 LENGTH, WIDTH = 16, 32
@@ -70,19 +73,25 @@ def _allocated_by_bmm(dtype: torch.dtype) -> int:
     return sum(max(0, event.self_cpu_memory_usage) for event in prof.key_averages())
 
 
-@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
-def test_the_cpu_16_bit_bmm_copies_a_broadcast_operand_and_fp32_does_not(
-        dtype: torch.dtype) -> None:
-    copy = 8 * 256 * 256 * torch.finfo(dtype).bits // 8
-    assert _allocated_by_bmm(dtype) >= copy
-    assert _allocated_by_bmm(torch.float32) < 8 * 256 * 256 * 4 / 2
+@pytest.mark.filterwarnings('ignore:TF32 acceleration')  # what mkldnn.flags() says on a CPU
+@pytest.mark.parametrize('mkldnn', [True, False])
+def test_the_cpu_bf16_bmm_copies_a_broadcast_operand_where_onednn_takes_it(
+        mkldnn: bool) -> None:
+    copy = 8 * 256 * 256 * 2
+    with torch.backends.mkldnn.flags(enabled=mkldnn):
+        copies = copies_broadcast(cuda=False, element_size=2)
+        assert (_allocated_by_bmm(torch.bfloat16) >= copy) == copies
+        assert _allocated_by_bmm(torch.float32) < 8 * 256 * 256 * 4 / 2
+        assert not copies_broadcast(cuda=False, element_size=4)
+    assert copies == (mkldnn and onednn_bf16_matmul())
 
 
-def test_the_transient_counts_on_the_cpu_in_16_bit_only_and_never_shrinks() -> None:
+def test_the_transient_counts_where_the_cpu_copies_and_never_shrinks() -> None:
     acts = Activations(1000, 0, 4, 4, 'traced', None, broadcast=100)
-    assert acts.transient_at(4, 2, cuda=False) == 200
-    assert acts.transient_at(8, 2, cuda=False) == 400  # may be the micro-batch: scaled up
-    assert acts.transient_at(2, 2, cuda=False) == 200  # or another dimension: never down
+    copies = copies_broadcast(cuda=False, element_size=2)
+    assert acts.transient_at(4, 2, cuda=False) == (200 if copies else 0)
+    assert acts.transient_at(8, 2, cuda=False) == (400 if copies else 0)  # scaled up
+    assert acts.transient_at(2, 2, cuda=False) == (200 if copies else 0)  # never down
     assert acts.transient_at(4, 4, cuda=False) == 0
     assert acts.transient_at(4, 2, cuda=True) == 0
 
@@ -101,6 +110,9 @@ def test_plan_counts_the_copy_in_bf16_on_the_cpu_and_says_so() -> None:
     bf16, fp32 = _plan('bf16'), _plan('fp32')
     copy_mib = LENGTH * 3 * WIDTH * WIDTH * 2 / 2**20
     assert bf16.activations.broadcast == fp32.activations.broadcast == LENGTH * 3 * WIDTH ** 2
+    if not copies_broadcast(cuda=False, element_size=2):  # this CPU's bf16 bmm copies nothing
+        assert bf16.as_json()['activations']['transient_mib'] == 0 and not bf16.notes
+        return
     assert bf16.as_json()['activations']['transient_mib'] == round(copy_mib, 1)
     assert fp32.as_json()['activations']['transient_mib'] == 0
     assert any('copy it whole' in note for note in bf16.notes)
