@@ -47,7 +47,7 @@ class Activations:
         note (str, optional): Why tracing failed, for a probe.
         broadcast (int): Elements of the largest operand a batched matmul of the step
             reads broadcast (:class:`~.transients.BroadcastOperands`), which the CPU's
-            16-bit kernels copy whole for the call.
+            bf16 matmuls through oneDNN copy whole for the call.
     """
 
     float_bytes: int
@@ -65,8 +65,9 @@ class Activations:
 
     def transient_at(self, micro_batch: int, element_size: int, cuda: bool) -> float:
         """Bytes one kernel call takes beyond what is saved: a broadcast operand that the
-        CPU's 16-bit ``bmm`` copies. Its batch is the input's leading dimension, the
-        micro-batch or another, so it is scaled up with a larger micro-batch, never down."""
+        CPU's bf16 ``bmm`` copies (:func:`~.transients.copies_broadcast`). Its batch is the
+        input's leading dimension, the micro-batch or another, so it is scaled up with a
+        larger micro-batch, never down."""
         if not copies_broadcast(cuda, element_size):
             return 0.0
         return max(1.0, micro_batch / self.micro_batch) * self.broadcast * element_size

@@ -156,7 +156,7 @@ def activation_bytes(activations: Activations, layout: MemoryLayout) -> float:
 
 def transient_bytes(activations: Activations, layout: MemoryLayout) -> float:
     """What one kernel call of the step takes beside the saved activations, at most (a
-    broadcast operand the CPU's 16-bit ``bmm`` copies; ``plan/transients.py``)."""
+    broadcast operand the CPU's bf16 ``bmm`` copies; ``plan/transients.py``)."""
     return activations.transient_at(layout.micro_batch, layout.compute_bytes, layout.cuda)
 
 

@@ -199,7 +199,7 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
             f'a batched matmul reads a {activations.broadcast * compute_bytes / MIB:.0f} MiB '
             'operand broadcast over its batch (a frozen layer\'s weight against an input '
             'that is not contiguous, as nn.MultiheadAttention(batch_first=True) makes): the '
-            f'CPU\'s 16-bit kernels copy it whole, {transient / MIB:.0f} MiB per call, '
+            f'CPU\'s bf16 kernels (oneDNN) copy it whole, {transient / MIB:.0f} MiB per call, '
             'counted in each peak, and slowly; fp32 or a contiguous input avoids both')
     return plan
 

@@ -26,8 +26,7 @@ _BATCHED = {torch.ops.aten.bmm.default: (0, 1), torch.ops.aten.baddbmm.default: 
 
 class BroadcastOperands(TorchDispatchMode):
     """The largest operand, in elements, that a ``bmm`` / ``baddbmm`` in the traced step
-    reads broadcast over its batch (stride 0 over more than one batch entry).
-    """
+    reads broadcast over its batch (stride 0 over more than one batch entry)."""
 
     def __init__(self) -> None:
         super().__init__()
