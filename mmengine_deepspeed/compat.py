@@ -271,13 +271,19 @@ def diff_rank_seed(runner: Any) -> bool:
     return bool(randomness_cfg(runner).get('diff_rank_seed', False))
 
 
-def swap_hooks(runner: Any, hooks: list) -> list:
-    """Make ``hooks`` ``runner``'s hook list and return the list it replaced (MMEngine's
-    ``call_hook`` iterates ``Runner._hooks``, which ``runner.hooks`` returns; DeepSpeedRunner
-    adds its own hooks there for one call only, tests/dist/test_runner_contract.py)."""
-    registered = cast(list, runner._hooks)
+def call_with_hooks(runner: Any, hooks: list, call_hook: Callable[..., None], fn_name: str,
+                    kwargs: dict) -> None:
+    """``call_hook(fn_name, **kwargs)`` with ``hooks`` as ``runner``'s hook list for the
+    call (MMEngine's ``call_hook`` iterates ``Runner._hooks``, which ``runner.hooks``
+    returns; DeepSpeedRunner adds its own hooks there for one call only,
+    tests/dist/test_runner_contract.py). One function, twice per iteration: a try, not a
+    context manager."""
+    registered = runner._hooks
     runner._hooks = hooks
-    return registered
+    try:
+        call_hook(fn_name, **kwargs)
+    finally:
+        runner._hooks = registered
 
 
 def set_loop_position(loop: Any, epoch: int, iteration: int) -> None:

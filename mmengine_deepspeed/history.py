@@ -114,6 +114,15 @@ class GrowingHistory(HistoryBuffer):
         self._end += 1
         self._start = max(self._start, self._end - self.max_length)
 
+    @override
+    def current(self) -> np.ndarray:
+        """The last value, as ``HistoryBuffer.current`` (IterTimerHook reads it every
+        iteration), without building the views."""
+        if self._end == self._start:
+            raise ValueError('HistoryBuffer._log_history is an empty array! '
+                             'please call update first')
+        return cast(np.ndarray, self._logs[self._end - 1])
+
     def _grow(self) -> None:
         """Move the kept values to arrays twice their number (at least MIN_CAPACITY)."""
         kept = self._end - self._start

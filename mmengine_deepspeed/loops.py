@@ -300,7 +300,7 @@ class ResumableIterBasedTrainLoop(IndexedBatches, IterBasedTrainLoop):
     def batch_position(self, batch_idx: int) -> tuple[int, int]:
         """(epoch, batch number in its pass) of the batch the iterator returned last
         (``batch_idx`` is the iteration)."""
-        return self.dataloader_iterator.position
+        return cast(EpochIterator, self._ours).position  # read every iteration: no property
 
     @override
     def run_iter(self, data_batch: Any) -> None:

@@ -55,10 +55,12 @@ class DeferredMessageHub(MessageHub):
         self._pending_keys: set[str] = set()
         self._observers: list[tuple[Observer, KeyFilter]] = []
         self._observers_of: dict[str, tuple[Observer, ...]] = {}  # by key, decided once
-        # keys whose history is a GrowingHistory, with the `resumed` they were logged with
-        # (MMEngine's update of such a key with a plain number only appends: see
-        # _update_history); forgotten when a state is loaded
-        self._resumed: dict[str, bool] = {}
+        # keys whose history is a GrowingHistory, with the `resumed` they were logged with and
+        # their observers: a plain number for such a key is appended directly (see
+        # update_scalar); forgotten when a state is loaded or an observer registers
+        self._appendable: dict[str, tuple[GrowingHistory, bool, tuple[Observer, ...]]] = {}
+        self._histories = scalar_histories(self)
+        self._runtime = self.runtime_info
 
     def observe(self, observer: Observer, keys: KeyFilter = lambda key: True) -> None:
         """Call ``observer(key, iteration, value)`` for every scalar whose key ``keys``
@@ -66,6 +68,7 @@ class DeferredMessageHub(MessageHub):
         for a tensor)."""
         self._observers.append((observer, keys))
         self._observers_of.clear()
+        self._appendable.clear()
 
     def _observers_for(self, key: str) -> tuple[Observer, ...]:
         observers = self._observers_of.get(key)
@@ -73,9 +76,6 @@ class DeferredMessageHub(MessageHub):
             observers = tuple(observer for observer, keys in self._observers if keys(key))
             self._observers_of[key] = observers
         return observers
-
-    def _iteration(self) -> int:
-        return int(self.runtime_info.get('iter', -1))
 
     @classmethod
     def build(cls, name: str, **kwargs: Any) -> DeferredMessageHub:
@@ -87,8 +87,23 @@ class DeferredMessageHub(MessageHub):
 
     @override
     def update_scalar(self, key: str, value: Any, count: int = 1, resumed: bool = True) -> None:
-        if isinstance(value, torch.Tensor) and value.numel() == 1 and isinstance(count, int):
-            self._pending.append((key, value.detach(), count, resumed, self._iteration()))
+        """MMEngine's update, with a one-element tensor kept (detached) until the hub is
+        read, and a plain number appended directly where MMEngine's update would only
+        append it (the key's history is a :class:`~.history.GrowingHistory` logged with the
+        same ``resumed``, and no tensor of the key waits): a handful of Python calls per
+        value, several times per iteration."""
+        kind = type(value)
+        if kind is float or kind is int:
+            known = self._appendable.get(key)
+            if known is not None and known[1] is resumed and type(count) is int \
+                    and self._histories.get(key) is known[0] and key not in self._pending_keys:
+                known[0].update(value, count)
+                for observer in known[2]:
+                    observer(key, int(self._runtime.get('iter', -1)), float(value))
+                return
+        elif isinstance(value, torch.Tensor) and value.numel() == 1 and isinstance(count, int):
+            self._pending.append((key, value.detach() if value.requires_grad else value, count,
+                                  resumed, int(self._runtime.get('iter', -1))))
             self._pending_keys.add(key)
             if len(self._pending) >= MAX_PENDING:
                 self.read_pending()
@@ -99,27 +114,22 @@ class DeferredMessageHub(MessageHub):
         observers = self._observers_for(key)
         if observers and isinstance(value, (int, float)):
             for observer in observers:
-                observer(key, self._iteration(), float(value))
+                observer(key, int(self._runtime.get('iter', -1)), float(value))
 
     def _update_history(self, key: str, value: Any, count: int, resumed: bool) -> None:
         """MMEngine's update, into a :class:`~.history.GrowingHistory` (MMEngine makes a
-        ``HistoryBuffer`` for a new key; one loaded from a checkpoint is one too).
-
-        A plain int or float for a key already held so, with the same ``resumed``, is
-        appended directly: ``MessageHub.update_scalar`` would only check that value (it is
-        a number), check ``resumed`` (as before) and append, in 4 more calls per value.
-        """
-        histories = scalar_histories(self)
-        history = histories.get(key)
-        if type(history) is GrowingHistory and self._resumed.get(key) is resumed \
+        ``HistoryBuffer`` for a new key; one loaded from a checkpoint is one too)."""
+        known = self._appendable.get(key)
+        if known is not None and known[1] is resumed and self._histories.get(key) is known[0] \
                 and type(value) in (int, float) and type(count) is int:
-            history.update(value, count)
+            known[0].update(value, count)
             return
         super().update_scalar(key, value, count, resumed)
-        histories = scalar_histories(self)
-        if type(histories[key]) is HistoryBuffer:
-            histories[key] = GrowingHistory.of(histories[key])
-        self._resumed[key] = resumed
+        history = self._histories[key]
+        if type(history) is HistoryBuffer:
+            history = self._histories[key] = GrowingHistory.of(history)
+        if type(history) is GrowingHistory:
+            self._appendable[key] = (history, resumed, self._observers_for(key))
 
     def read_pending(self) -> None:
         """Put the kept tensor values into the history: one host read per device (as
@@ -156,11 +166,11 @@ class DeferredMessageHub(MessageHub):
         IterTimerHook reads ``train/time`` every iteration)."""
         if key in self._pending_keys:
             self.read_pending()
-        scalars = super().log_scalars
-        if key not in scalars:
+        history = self._histories.get(key)
+        if history is None:
             raise KeyError(f'{key} is not found in Messagehub.log_buffers: instance name is: '
                            f'{self.instance_name}')
-        return scalars[key]
+        return history
 
     @override
     def state_dict(self) -> dict:
@@ -176,8 +186,10 @@ class DeferredMessageHub(MessageHub):
     @override
     def load_state_dict(self, state_dict: Union[MessageHub, dict]) -> None:
         self.read_pending()
-        self._resumed.clear()  # loaded histories and resumed keys: MMEngine's update checks
+        self._appendable.clear()  # loaded histories and resumed keys: MMEngine's update checks
         super().load_state_dict(state_dict)
+        self._histories = scalar_histories(self)  # a MessageHub's state replaces both dicts
+        self._runtime = self.runtime_info
 
 
 class MessageHubMethods(Runner):

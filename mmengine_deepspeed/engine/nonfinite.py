@@ -5,7 +5,7 @@ What DeepSpeed already does, and what is added here:
 * **ZeRO-1/2/3, and bf16/fp16 at any stage**: DeepSpeed's optimizer computes the
   global grad norm (an all-reduce over ranks) and skips the update when it is not
   finite; ``engine.skipped_steps`` counts it. Nothing is added but the count in the
-  log, for every precision (:meth:`StepCheck.published_count`).
+  log, for every precision (:meth:`StepCheck.after_step`).
 * **ZeRO-0 in fp32**: the torch optimizer is stepped as it is, and one NaN reaches
   every rank's weights through the gradient all-reduce. :class:`StepCheck` decides
   from the norm of the reduced gradients (the same on every rank): an optimizer
@@ -104,25 +104,30 @@ class StepCheck:
             self._host_skips += 1
             self._drop_grads = True
 
-    def after_step(self) -> None:
-        """Take back what :meth:`before_step` gave the optimizer."""
-        optimizer = self.engine.optimizer
-        if self.ours and hasattr(optimizer, 'found_inf'):
-            del optimizer.found_inf
+    def after_step(self) -> tuple[bool, Union[torch.Tensor, float]]:
+        """Take back what :meth:`before_step` gave the optimizer.
 
-    def skipped_on_host(self) -> bool:
-        """Whether the last update is known on the host to have been skipped (DeepSpeed's
-        checks, or ours with an unfused optimizer; not ours on the device)."""
-        return int(self.engine.skipped_steps) + self._host_skips > self._before
+        Returns:
+            tuple[bool, torch.Tensor | float]: Whether the update is known on the host to
+            have been skipped (DeepSpeed's checks, or ours with an unfused optimizer; not
+            ours on the device), and the skipped updates so far to publish
+            (:meth:`_published`).
+        """
+        if self.ours:
+            optimizer = self.engine.optimizer
+            if hasattr(optimizer, 'found_inf'):
+                del optimizer.found_inf
+        known = int(self.engine.skipped_steps) + self._host_skips
+        return known > self._before, self._published(known)
 
     def count_now(self) -> float:
-        """:meth:`published_count` as a number (a host read where ours are counted: for
-        the start of ``train()``, not for every iteration)."""
-        return float(self.published_count())
+        """The skipped updates so far as a number (a host read where ours are counted on
+        the device: for the start of ``train()``, not for every iteration)."""
+        return float(self._published(int(self.engine.skipped_steps) + self._host_skips))
 
-    def published_count(self) -> Union[torch.Tensor, float]:
-        """Skipped updates so far: DeepSpeed's count plus ours (a device tensor, read when
-        the message hub is, where a fused optimizer skipped on the device)."""
-        known = int(self.engine.skipped_steps) + self._host_skips
+    def _published(self, known: int) -> Union[torch.Tensor, float]:
+        """Skipped updates so far: DeepSpeed's count plus ours (``known`` on the host; a
+        device tensor, read when the message hub is, where a fused optimizer skipped on
+        the device)."""
         return float(known) if self._skipped is None else self._skipped + known
 

@@ -19,8 +19,7 @@ semantics exactly, so a config behaves as it did without DeepSpeed:
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional
 
 import mmengine.runner  # noqa: F401  registers MMEngine's same-named wrapper first (see below)
@@ -82,12 +81,18 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         super().__init__(optimizer, accumulative_counts=accumulative_counts)
         self.forward_through_engine = forward_through_engine
         self._log_prefix = f'train/{name}.' if name else 'train/'
+        # the message hub key of this wrapper's count of skipped (non-finite) updates
+        self.skipped_steps_key = f'{self._log_prefix}skipped_steps'
         self.engine = engine
         self.clip_max_norm = clip_max_norm
         self.find_unused_parameters = find_unused_parameters
         self._used_parameters = UsedParameters()
+        self._several_ranks = dist.is_initialized() and dist.get_world_size() > 1
         self._named: Optional[tuple[list[str], list[nn.Parameter]]] = None
         self.step_check = StepCheck(engine)
+        # ZeRO-0 fp32 with clipping: DeepSpeed reports no grad norm (fixed once built)
+        self._own_norm = clip_max_norm > 0 and not (
+            engine.zero_optimization() or engine.fp16_enabled() or engine.bfloat16_enabled())
 
     @override
     def update_params(self, loss: torch.Tensor, step_kwargs: Optional[dict] = None,
@@ -120,9 +125,9 @@ class DeepSpeedOptimWrapper(OptimWrapper):
             loss (torch.Tensor): Scaled loss, as from :meth:`scale_loss`.
             **kwargs: ``retain_graph`` is passed on; nothing else is accepted.
         """
-        unknown = set(kwargs) - {'retain_graph'}
-        if unknown:
-            raise TypeError(f'DeepSpeedOptimWrapper.backward() got unsupported {sorted(unknown)}.')
+        if kwargs and set(kwargs) - {'retain_graph'}:
+            raise TypeError('DeepSpeedOptimWrapper.backward() got unsupported '
+                            f'{sorted(set(kwargs) - {"retain_graph"})}.')
         # should_sync() answers "does this backward end an accumulation
         # window", MMEngine's rule; the engine reduces and steps on it.
         self.engine.set_gradient_accumulation_boundary(self.should_sync())
@@ -131,8 +136,8 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         if self.find_unused_parameters:
             loss = with_every_parameter(
                 loss, [p for p in self._parameters()[1] if p.requires_grad], retain_graph)
-        elif dist.is_initialized() and dist.get_world_size() > 1:
-            self._used_parameters.check(loss, *self._parameters())
+        elif self._several_ranks:
+            self._used_parameters.check(loss, *(self._named or self._parameters()))
         if not self.forward_through_engine:
             loss = begin_backward_at(loss, self.engine)
         self.engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
@@ -153,36 +158,30 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         Args:
             **kwargs: Passed to ``engine.step`` (``lr_kwargs``).
         """
-        at_boundary = self.engine.is_gradient_accumulation_boundary()
-        fallback_norm = self._norm_if_engine_does_not() if at_boundary else None
-        if at_boundary:
-            self.step_check.before_step(fallback_norm)
+        if not self.engine.is_gradient_accumulation_boundary():
+            self.engine.step(**kwargs)
+            return
+        fallback_norm = self._norm_if_engine_does_not() if self._own_norm else None
+        self.step_check.before_step(fallback_norm)
         try:
             self.engine.step(**kwargs)
         finally:
-            if at_boundary:
-                self.step_check.after_step()
-        if not at_boundary:
-            return
+            skipped_on_host, skipped_count = self.step_check.after_step()
         norm = self.engine.get_global_grad_norm()
         if norm is None:
             norm = fallback_norm
         # a skipped update's norm (inf) would hold the log's window mean at inf; where the
         # skip is known on the host it is left out (a device-side skip's is logged)
-        if norm is not None and not self.step_check.skipped_on_host():
+        if norm is not None and not skipped_on_host:
             self.message_hub.update_scalar(f'{self._log_prefix}grad_norm', norm)
         if self.engine.fp16_enabled():
             self.message_hub.update_scalar(f'{self._log_prefix}loss_scale',
                                            float(self.engine.optimizer.loss_scale))
-        self.message_hub.update_scalar(self.skipped_steps_key, self.step_check.published_count())
-
-    @property
-    def skipped_steps_key(self) -> str:
-        """The message hub key of this wrapper's count of skipped (non-finite) updates."""
-        return f'{self._log_prefix}skipped_steps'
+        self.message_hub.update_scalar(self.skipped_steps_key, skipped_count)
 
     def _norm_if_engine_does_not(self) -> Optional[torch.Tensor]:
-        """The grad norm for ZeRO-0 fp32 with clipping, which DeepSpeed does not report.
+        """The grad norm for ZeRO-0 fp32 with clipping (``_own_norm``), which DeepSpeed
+        does not report.
 
         Under ZeRO-0 the gradients are complete and all-reduced by the end of
         the boundary backward, so the norm is the same on every rank. Where
@@ -190,9 +189,6 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         zero/zero_dim.py) the gradients are clipped here, as DeepSpeed would:
         ``min(1, max_norm / (norm + 1e-6))``.
         """
-        if self.clip_max_norm <= 0 or self.engine.zero_optimization() \
-                or self.engine.fp16_enabled() or self.engine.bfloat16_enabled():
-            return None
         params = [p for p in self.engine.module.parameters() if p.grad is not None]
         if not params:
             return None
@@ -229,14 +225,19 @@ class DeepSpeedOptimWrapper(OptimWrapper):
             'a checkpoint directory instead.')
 
     @override
-    @contextmanager
-    def optim_context(self, model: nn.Module) -> Iterator[None]:
+    def optim_context(  # type: ignore[override]
+            self, model: nn.Module) -> AbstractContextManager[None]:
         """No-op: DeepSpeed decides when gradients are reduced.
 
         MMEngine's version enters ``model.no_sync()`` between boundaries,
-        which DeepSpeed refuses under ZeRO-2/3 and does not need.
+        which DeepSpeed refuses under ZeRO-2/3 and does not need. One shared
+        ``nullcontext`` (MMEngine types its own as a generator's context manager;
+        ``with`` takes any): no generator is made per iteration.
         """
-        yield
+        return _NO_CONTEXT
+
+
+_NO_CONTEXT = nullcontext()
 
 
 def begin_backward_at(loss: torch.Tensor, engine: DeepSpeedEngine) -> torch.Tensor:

@@ -88,6 +88,10 @@ class DeepSpeedEngineWrapper(nn.Module):
         # The user's model, read by hooks and by the steps many times per iteration: kept
         # outside nn.Module's registries, whose lookup (two, through the engine) costs more.
         self.__dict__['_user_model'] = model if model is not None else self.engine.module
+        # what the steps call, fixed for the wrapper's life: decided once, not per iteration
+        self.__dict__['_forward_target'] = self.engine if model is None else model
+        self.__dict__['_own_steps'] = {method: overrides(self.module, method)
+                                       for method in ('train_step', 'val_step', 'test_step')}
         preprocessor = getattr(self.module, 'data_preprocessor', None)
         device = {engine.device for engine in self.engines.values()}.pop()
         if isinstance(preprocessor, BaseDataPreprocessor) and preprocessor.device != device:
@@ -145,8 +149,8 @@ class DeepSpeedEngineWrapper(nn.Module):
         Returns:
             dict[str, torch.Tensor]: Log variables from ``parse_losses``.
         """
-        module = self.module
-        if overrides(module, 'train_step'):
+        module = self.__dict__['_user_model']
+        if self.__dict__['_own_steps']['train_step']:
             return getattr(module, 'train_step')(data, optim_wrapper)  # noqa: B009
         if len(self.engines) > 1:
             raise TypeError(
@@ -172,7 +176,7 @@ class DeepSpeedEngineWrapper(nn.Module):
 
     def _predict(self, data: Data, method: str) -> list:
         module = self.module
-        if overrides(module, method):
+        if self.__dict__['_own_steps'][method]:
             return getattr(module, method)(data)
         assert isinstance(module, BaseModel)
         batch = module.data_preprocessor(data, False)
@@ -182,7 +186,7 @@ class DeepSpeedEngineWrapper(nn.Module):
         if self.cast_dtype is not None:
             batch = cast_floating(batch, self.cast_dtype)
         # Several engines: the submodules are called (and cast) by the model.
-        forward = self._forward_target()
+        forward = self.__dict__['_forward_target']
         if isinstance(batch, Mapping):
             return forward(**batch, mode=mode)
         if isinstance(batch, (list, tuple)):
@@ -198,8 +202,4 @@ class DeepSpeedEngineWrapper(nn.Module):
         """
         if self.cast_dtype is not None:
             args, kwargs = cast_floating((args, kwargs), self.cast_dtype)
-        return self._forward_target()(*args, **kwargs)
-
-    def _forward_target(self) -> nn.Module:
-        """The engine around the whole model, else the model (which calls its engines)."""
-        return self.engine if self.__dict__['_whole_model'] is None else self.module
+        return self.__dict__['_forward_target'](*args, **kwargs)

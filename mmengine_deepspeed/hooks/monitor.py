@@ -113,8 +113,9 @@ class ThroughputHook(Hook):
         self._last = now
         if self._counting is not None and self._prediction is None:
             self._measured_prediction(runner, data_batch)
-        if self.every_n_train_iters(runner, self._reduce_every) or runner.iter == 0:
-            peak = agreement_of(runner).agreed(runner.iter)['peak_mem_mb'][0]
+        iteration = runner.iter  # a property of a property: read once
+        if (iteration + 1) % self._reduce_every == 0 or iteration == 0:
+            peak = agreement_of(runner).agreed(iteration)['peak_mem_mb'][0]
             hub.update_scalar('train/peak_mem_mb', peak)
             if self._prediction is not None and not self._said:
                 self._said = True

@@ -46,7 +46,7 @@ from ..checkpoint.layout import latest_complete
 from ..dist import cpu_group
 from ..engine.optim_wrapper import DeepSpeedOptimWrapper
 from ..engine.spec import named_wrappers
-from .agreement import agreement_of, logging_interval
+from .agreement import Agreement, agreement_of, logging_interval
 from .failed_steps import FailedStep, NonFinitePolicy, is_loss_key
 from .preemption import at_update_boundary, save_preemption_checkpoint
 
@@ -95,6 +95,7 @@ class NonFiniteHook(Hook):
         self.excluded = set(exclude_samples)
         self.rollbacks = 0
         self._observing: Any = None  # the DeferredMessageHub observed (message_hub.py)
+        self._agreement: Optional[Agreement] = None  # the run's, from before_train
         self._reset()
 
     def _reset(self) -> None:
@@ -148,7 +149,8 @@ class NonFiniteHook(Hook):
             seen = bool(self._bad or self._skips or self._spikes)
             return [float(rank == runner.rank and seen) for rank in range(world)]
 
-        agreement_of(runner).provide('nonfinite', flags)
+        self._agreement = agreement_of(runner)
+        self._agreement.provide('nonfinite', flags)
 
     @staticmethod
     def _observed_key(key: str) -> bool:
@@ -185,11 +187,13 @@ class NonFiniteHook(Hook):
     @override
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
                          outputs: Optional[dict] = None) -> None:
+        iteration = runner.iter  # a property of a property: read once
         loop = runner.train_loop
         if hasattr(loop, 'batch_position'):
-            self._positions[runner.iter] = loop.batch_position(batch_idx)
-        logging = (runner.iter + 1) % self._interval == 0
-        if self._stopping is None and (logging or agreement_of(runner).due(runner.iter)):
+            self._positions[iteration] = loop.batch_position(batch_idx)
+        logging = (iteration + 1) % self._interval == 0
+        if self._stopping is None and (
+                logging or (self._agreement or agreement_of(runner)).due(iteration)):
             self._report(runner, logging)
         if self._stopping is not None and at_update_boundary(runner.optim_wrapper):
             self._stop(runner)

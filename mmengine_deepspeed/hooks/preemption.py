@@ -42,7 +42,7 @@ from typing_extensions import override
 from ..checkpoint.layout import LAST_CHECKPOINT, write_text_atomic
 from ..compat import save_with_checkpoint_hook
 from ..engine.spec import named_wrappers
-from .agreement import agreement_of
+from .agreement import Agreement, agreement_of
 
 DEFAULT_SIGNALS = ('SIGTERM', 'SIGUSR1')
 
@@ -93,6 +93,7 @@ class PreemptionHook(Hook):
         self.interval = interval
         self.received: Optional[int] = None
         self._stop: Optional[list[int]] = None  # each rank's signal, once agreed
+        self._agreement: Optional[Agreement] = None  # the run's, from before_train
 
     def during_train(self, runner: Any, stack: contextlib.ExitStack) -> None:
         """DeepSpeedRunner's hook event at the start of ``train()``: the signals are
@@ -127,7 +128,8 @@ class PreemptionHook(Hook):
     @override
     def before_train(self, runner: Any) -> None:
         self._stop = None
-        agreement_of(runner).provide(
+        self._agreement = agreement_of(runner)
+        self._agreement.provide(
             'signal', lambda: [float(self.received or 0) if rank == runner.rank else 0.0
                                for rank in range(runner.world_size)])
 
@@ -136,11 +138,11 @@ class PreemptionHook(Hook):
                          outputs: Any = None) -> None:
         """Agree on a stop; if any rank got a signal, save and leave ``train()`` (at an
         update boundary: accumulated gradients are not in a checkpoint)."""
-        agreement = agreement_of(runner)
-        due = (runner.iter + 1) % self.interval == 0 if self.interval else agreement.due(
-            runner.iter)
+        agreement = self._agreement or agreement_of(runner)
+        iteration = runner.iter  # a property of a property: read once
+        due = (iteration + 1) % self.interval == 0 if self.interval else agreement.due(iteration)
         if due and self._stop is None:
-            by_rank = [int(x) for x in agreement.agreed(runner.iter)['signal']]
+            by_rank = [int(x) for x in agreement.agreed(iteration)['signal']]
             self._stop = by_rank if any(by_rank) else None
         if self._stop is None or not at_update_boundary(runner.optim_wrapper):
             return

@@ -12,7 +12,7 @@ from mmengine.hooks import Hook
 from mmengine.runner import Runner
 from typing_extensions import override
 
-from ..compat import swap_hooks
+from ..compat import call_with_hooks
 from .registration import (
     added_hooks,
     added_hooks_info,
@@ -55,11 +55,7 @@ class HookMethods(Runner):
         registered = tuple(self.hooks)
         if self._hook_order is None or registered != self._hook_order[0]:
             self._hook_order = (registered, in_priority_order(self.hooks, self.added_hooks))
-        hooks = swap_hooks(self, self._hook_order[1])  # a try, not a context manager: per call
-        try:
-            super().call_hook(fn_name, **kwargs)
-        finally:
-            swap_hooks(self, hooks)
+        call_with_hooks(self, self._hook_order[1], super().call_hook, fn_name, kwargs)
 
     @override
     def get_hooks_info(self) -> str:

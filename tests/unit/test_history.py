@@ -44,6 +44,9 @@ def test_every_update_and_statistic_is_what_history_buffer_gives(
             _same(ours, theirs)
     with pytest.raises(TypeError, match='log_val must be int or float'):
         ours.update('1.0')  # type: ignore[arg-type]
+    for empty in (GrowingHistory(), HistoryBuffer()):
+        with pytest.raises(ValueError, match='empty array'):
+            empty.current()
 
 
 def test_an_update_writes_in_place_and_earlier_views_keep_their_values() -> None:

@@ -165,3 +165,23 @@ def test_a_known_key_s_update_checks_what_mmengine_checks() -> None:
                          'resumed_keys': {'train/eta': True}})
     with pytest.raises(AssertionError, match='resumed'):
         hub.update_scalar('train/eta', 2.0, resumed=False)  # the loaded flag holds now
+
+
+def test_a_known_key_s_number_goes_where_the_hub_holds_it_now() -> None:
+    """The direct append of a plain number follows what changed since the key was known:
+    a history put in its place from outside (``log_scalars[key] = ...``) gets the value,
+    an observer registered later sees it with the iteration, a kept tensor of the key
+    goes into the history first."""
+    hub = DeferredMessageHub.build('fast_path_changes_test')
+    hub.update_scalar('train/lr', 0.1)
+    hub.log_scalars['train/lr'] = HistoryBuffer([9.0], [1])
+    hub.update_scalar('train/lr', 0.2)
+    assert list(hub.get_scalar('train/lr').data[0]) == [9.0, 0.2]
+    seen: list[tuple[str, int, float]] = []
+    hub.observe(lambda key, iteration, value: seen.append((key, iteration, value)))
+    hub.update_info('iter', 4)
+    hub.update_scalar('train/lr', 0.3)
+    hub.update_scalar('train/lr', torch.tensor(0.4, requires_grad=True) * 1)
+    hub.update_scalar('train/lr', 0.5)
+    assert list(hub.get_scalar('train/lr').data[0]) == pytest.approx([9.0, 0.2, 0.3, 0.4, 0.5])
+    assert [(key, it) for key, it, _ in seen] == [('train/lr', 4)] * 3
