@@ -22,7 +22,9 @@ functions), and a table splits
 the training thread's CPU time per iteration between MMEngine's loop, this package,
 DeepSpeed, torch and the model by the innermost Python frame (a frame's release charged to
 the function released, see ``overhead_worker.spy_ms``): what this package adds per
-iteration, whatever the depth. Needs py-spy (in the dev extra).
+iteration, whatever the depth. Needs py-spy (in the dev extra). --host-rounds N launches
+each cell N times, interleaved, and shows medians (one cell moves by up to 0.1 ms between
+launches: caches, the other rank).
 
 With --compiled, each round also trains the runner with MMEngine's compile=True (each
 engine's module through DeepSpeed's engine.compile(), inductor), and a third table puts its
@@ -34,7 +36,7 @@ per-iteration check that every rank used the same parameters is timed on its own
 
     python benchmarks/overhead.py [--rounds 3] [--models gpt,mlp,tiny] [--profile]
                                   [--profile-case MODEL:STAGE] [--unused] [--compiled]
-                                  [--host-bound] [--peak-tflops T]
+                                  [--host-bound [--host-rounds N]] [--peak-tflops T]
                                   [--smoke]
 """
 from __future__ import annotations
@@ -148,17 +150,24 @@ def profile_table(profiles: dict[str, dict[str, float]]) -> str:
     return table(['own time, ms per iteration (rank 0, cProfile)', *MODES], rows)
 
 
-def host_bound_table(profiles: dict[tuple[str, int, str], dict[str, float]]) -> str:
-    """Per model and stage, each package's own time per iteration, runner / raw loop."""
+def host_bound_table(profiles: dict[tuple[str, int, str], list[dict[str, float]]]) -> str:
+    """Per model and stage, each package's own time per iteration, runner / raw loop: the
+    median over the launches (rounds), and this package's range over them."""
+    def median(key: tuple[str, int, str], row: Optional[str] = None) -> float:
+        return statistics.median(sum(p.values()) if row is None else p.get(row, 0.0)
+                                 for p in profiles[key])
+
     rows = []
     for model, stage in sorted({(m, s) for m, s, _ in profiles}):
-        runner, raw = profiles[(model, stage, 'runner')], profiles[(model, stage, 'raw')]
+        runner, raw = (model, stage, 'runner'), (model, stage, 'raw')
+        ours = [p.get('mmengine_deepspeed', 0.0) for p in profiles[runner]]
         rows.append([model, f'ZeRO-{stage}',
-                     *(f'{runner.get(row, 0.0):.3f} / {raw.get(row, 0.0):.3f}'
+                     *(f'{median(runner, row):.3f} / {median(raw, row):.3f}'
                        for row in HOST_ROWS),
-                     f'{sum(runner.values()):.2f} / {sum(raw.values()):.2f}'])
+                     f'{min(ours):.3f}-{max(ours):.3f}',
+                     f'{median(runner):.2f} / {median(raw):.2f}'])
     return table(['model', 'stage', 'MMEngine loop', 'this package', 'DeepSpeed',
-                  'torch', 'the model', 'iteration'], rows)
+                  'torch', 'the model', 'this package, range', 'iteration'], rows)
 
 
 def main() -> None:
@@ -179,6 +188,9 @@ def main() -> None:
                         help='what --profile profiles (default: tiny:2)')
     parser.add_argument('--host-bound', action='store_true',
                         help='also split the host time of host-bound models, ZeRO 0-3')
+    parser.add_argument('--host-rounds', type=int, default=1,
+                        help='launches per host-bound cell, interleaved (the table shows '
+                        'medians; default 1)')
     parser.add_argument('--json', metavar='FILE', help='also write every launch\'s result here')
     parser.add_argument('--smoke', action='store_true', help='seconds-long run for CI')
     args = parser.parse_args()
@@ -212,15 +224,16 @@ def main() -> None:
             for mode in MODES:
                 profiles[mode] = run(mode, name, int(stage_text), iters.get(name, ITERS[name]),
                                      tmp, profile=True)['profile_ms']
-        host_bound: dict[tuple[str, int, str], dict[str, float]] = {}
+        host_bound: dict[tuple[str, int, str], list[dict[str, float]]] = defaultdict(list)
         host_models, host_stages = (HOST_BOUND[:1], (2,)) if args.smoke else (HOST_BOUND,
                                                                               (0, 1, 2, 3))
-        for model in host_models if args.host_bound else ():
-            for stage in host_stages:
-                for mode in ('raw', 'runner'):
-                    host_bound[(model, stage, mode)] = run(
-                        mode, model, stage, (2, 20) if args.smoke else ITERS[model], tmp,
-                        spy=True)['profile_ms']
+        for _ in range(args.host_rounds if args.host_bound else 0):
+            for model in host_models:
+                for stage in host_stages:
+                    for mode in ('raw', 'runner'):
+                        host_bound[(model, stage, mode)].append(run(
+                            mode, model, stage, (2, 20) if args.smoke else ITERS[model], tmp,
+                            spy=True)['profile_ms'])
     if args.json:
         with open(args.json, 'w', encoding='utf-8') as f:
             json.dump(dict(speed=[dict(r) for runs in results.values() for r in runs],
