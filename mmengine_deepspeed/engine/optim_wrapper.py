@@ -90,9 +90,11 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         self._several_ranks = dist.is_initialized() and dist.get_world_size() > 1
         self._named: Optional[tuple[list[str], list[nn.Parameter]]] = None
         self.step_check = StepCheck(engine)
-        # ZeRO-0 fp32 with clipping: DeepSpeed reports no grad norm (fixed once built)
+        # fixed once the engine is built, so read once, not per update: fp16 (a loss scale
+        # to log), and ZeRO-0 fp32 with clipping (DeepSpeed reports no grad norm)
+        self._fp16 = engine.fp16_enabled()
         self._own_norm = clip_max_norm > 0 and not (
-            engine.zero_optimization() or engine.fp16_enabled() or engine.bfloat16_enabled())
+            engine.zero_optimization() or self._fp16 or engine.bfloat16_enabled())
 
     @override
     def update_params(self, loss: torch.Tensor, step_kwargs: Optional[dict] = None,
@@ -174,7 +176,7 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         # skip is known on the host it is left out (a device-side skip's is logged)
         if norm is not None and not skipped_on_host:
             self.message_hub.update_scalar(f'{self._log_prefix}grad_norm', norm)
-        if self.engine.fp16_enabled():
+        if self._fp16:
             self.message_hub.update_scalar(f'{self._log_prefix}loss_scale',
                                            float(self.engine.optimizer.loss_scale))
         self.message_hub.update_scalar(self.skipped_steps_key, skipped_count)
