@@ -121,7 +121,8 @@ class GrowingHistory(HistoryBuffer):
         if self._end == self._start:
             raise ValueError('HistoryBuffer._log_history is an empty array! '
                              'please call update first')
-        return cast(np.ndarray, self._logs[self._end - 1])
+        last: np.ndarray = self._logs[self._end - 1]  # a numpy scalar, as MMEngine's
+        return last
 
     def _grow(self) -> None:
         """Move the kept values to arrays twice their number (at least MIN_CAPACITY)."""
