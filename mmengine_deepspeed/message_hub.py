@@ -93,8 +93,8 @@ class DeferredMessageHub(MessageHub):
         same ``resumed``, and no tensor of the key waits): a handful of Python calls per
         value, several times per iteration."""
         kind = type(value)
-        if kind is float or kind is int:
-            known = self._appendable.get(key)
+        if kind is float or kind is int:  # _update_history's direct append, inlined: a call
+            known = self._appendable.get(key)  # less per value, several values per iteration
             if known is not None and known[1] is resumed and type(count) is int \
                     and self._histories.get(key) is known[0] and key not in self._pending_keys:
                 known[0].update(value, count)
