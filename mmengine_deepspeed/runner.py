@@ -33,7 +33,7 @@ from .config.resolve import DsConfigSource
 from .dist import cuda_available, init_distributed
 from .engine.activation import has_section
 from .engine.build import left_unwrapped
-from .engine.compile import compile_options, compile_report
+from .engine.compile import check_deepcompile, compile_options, compile_report
 from .engine.offload import check_nvme
 from .engine.spec import EngineSpecs
 from .failure import failing_together
@@ -125,7 +125,9 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
         self.engine_specs.resolve(world_size=None)
         for spec in self.engine_specs:
             check_nvme(spec.ds_config)
-        compile_options(cfg.get('compile') if cfg is not None else None)  # a bad value, early
+        check_deepcompile(  # a bad compile value, or DeepCompile where it cannot run, early
+            compile_options(cfg.get('compile') if cfg is not None else None),
+            self.engine_specs.configs().values())
         self._weights_initialized = False
         self._engines_wanted = False  # build_optim_wrapper builds engines (inside train())
         self._taken: dict[str, Any] = {}  # cfg keys train() does itself (see _train)

@@ -13,11 +13,15 @@ is what its own ``train_step`` calls.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any, Optional, Union
 
 import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.compile import util as deepcompile_util
 
 from ..compat import dynamo_counts, hook_dict_of, zero3_module_hooks
+from ..config.checks import DsConfigError, get_value
 from .spec import EngineSpecs
 
 CompileCfg = Union[bool, dict, None]
@@ -38,6 +42,38 @@ def compile_options(compile_cfg: CompileCfg) -> Optional[dict]:
             f'compile={compile_cfg!r}: give True, or the options of torch.compile as a dict, '
             "e.g. compile=dict(backend='inductor', mode='max-autotune').")
     return dict(compile_cfg)
+
+
+def check_deepcompile(options: Optional[dict], ds_configs: Iterable[Mapping[str, Any]]) -> None:
+    """Refuse ``ds_config.compile.deepcompile`` where it cannot take effect, before any
+    process work.
+
+    DeepCompile (DeepSpeed's compiler, which puts ZeRO's gathers and reductions into the
+    compiled graph instead of running its per-module hooks between compiled pieces) runs
+    only inside ``engine.compile()``: without MMEngine's ``compile`` key it would be
+    ignored without a word. DeepSpeed 0.19 builds it for CUDA and torch >= 2.6 only;
+    elsewhere ``engine.compile()`` fails compiling CUDA sources (``cuda.h: No such file``).
+
+    Args:
+        options (dict, optional): :func:`compile_options` of the config; None: no compile.
+        ds_configs (Iterable[Mapping]): Every engine's ds_config.
+
+    Raises:
+        DsConfigError: DeepCompile asked for without ``compile``, or where it cannot run.
+    """
+    if not any(get_value(ds, 'compile.deepcompile') for ds in ds_configs):
+        return
+    if options is None:
+        raise DsConfigError(
+            'ds_config.compile.deepcompile is true, but nothing is compiled without '
+            "MMEngine's compile key: add compile=True to the config (DeepSpeed then compiles "
+            'each engine with DeepCompile), or remove compile.deepcompile.')
+    if not deepcompile_util.is_deepcompile_supported():
+        raise DsConfigError(
+            'ds_config.compile.deepcompile is true, but DeepSpeed builds DeepCompile for CUDA '
+            f'with torch >= 2.6 only (here: {get_accelerator().device_name()}, torch '
+            f'{torch.__version__}): remove compile.deepcompile; compile=True alone compiles '
+            'each engine with torch.compile.')
 
 
 def compile_engines(specs: EngineSpecs, options: dict, logger: Any) -> dict[str, int]:

@@ -15,14 +15,14 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')]
 
 
-def _train(tmp_path: Any, ds_config: dict, optimizer: dict) -> Any:
+def _train(tmp_path: Any, ds_config: dict, optimizer: dict, **extra: Any) -> Any:
     from mmengine.config import Config
     from mmengine.registry import RUNNERS
 
     import mmengine_deepspeed  # noqa: F401
     from tests.helpers import toy_config
 
-    cfg = toy_config(str(tmp_path), ds_config=ds_config, optimizer=optimizer)
+    cfg = toy_config(str(tmp_path), ds_config=ds_config, optimizer=optimizer, **extra)
     cfg.update(runner_type='DeepSpeedRunner', env_cfg=dict(dist_cfg=dict(backend='nccl')))
     runner = RUNNERS.build(Config(cfg))
     runner.train()
@@ -44,6 +44,23 @@ def test_fused_adam_by_name(tmp_path: Any) -> None:
                                          'bf16': {'enabled': True}},
                     {'type': 'FusedAdam', 'lr': 1e-3})
     assert type(runner.optim_wrapper.optimizer).__name__ == 'FusedAdam'
+
+
+def test_deepcompile_at_zero3_trains_as_eager(tmp_path: Any) -> None:
+    """MMEngine's compile key with ``ds_config.compile.deepcompile``: each engine compiled by
+    DeepSpeed's DeepCompile (ZeRO-3's gathers inside the graph, no per-module hooks), the
+    parameters within fp32 tolerance of the eager run's."""
+    from mmengine_deepspeed.zero.gather import whole_copy
+    from tests.helpers import model_state
+
+    ds_config = {'zero_optimization': {'stage': 3}}
+    eager = _train(tmp_path / 'eager', ds_config, {'type': 'SGD', 'lr': 0.1})
+    expected = model_state(whole_copy(eager.model.module))
+    compiled = _train(tmp_path / 'deepcompile', dict(ds_config, compile={'deepcompile': True}),
+                      {'type': 'SGD', 'lr': 0.1}, compile=True)
+    assert all(spec.engine.is_deepcompile_active() for spec in compiled.engine_specs)
+    for key, value in model_state(whole_copy(compiled.model.module)).items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize(('command', 'fragments'), [
