@@ -110,26 +110,32 @@ class DeferredMessageHub(MessageHub):
             return
         if key in self._pending_keys:  # a key's history stays in order
             self.read_pending()
-        self._update_history(key, value, count, resumed)
-        observers = self._observers_for(key)
+        observers = self._update_history(key, value, count, resumed)
         if observers and isinstance(value, (int, float)):
             for observer in observers:
                 observer(key, int(self._runtime.get('iter', -1)), float(value))
 
-    def _update_history(self, key: str, value: Any, count: int, resumed: bool) -> None:
+    def _update_history(self, key: str, value: Any, count: int,
+                        resumed: bool) -> tuple[Observer, ...]:
         """MMEngine's update, into a :class:`~.history.GrowingHistory` (MMEngine makes a
-        ``HistoryBuffer`` for a new key; one loaded from a checkpoint is one too)."""
+        ``HistoryBuffer`` for a new key; one loaded from a checkpoint is one too).
+
+        Returns:
+            tuple: The key's observers.
+        """
         known = self._appendable.get(key)
         if known is not None and known[1] is resumed and self._histories.get(key) is known[0] \
                 and type(value) in (int, float) and type(count) is int:
             known[0].update(value, count)
-            return
+            return known[2]
         super().update_scalar(key, value, count, resumed)
         history = self._histories[key]
         if type(history) is HistoryBuffer:
             history = self._histories[key] = GrowingHistory.of(history)
+        observers = self._observers_for(key)
         if type(history) is GrowingHistory:
-            self._appendable[key] = (history, resumed, self._observers_for(key))
+            self._appendable[key] = (history, resumed, observers)
+        return observers
 
     def read_pending(self) -> None:
         """Put the kept tensor values into the history: one host read per device (as
@@ -138,20 +144,28 @@ class DeferredMessageHub(MessageHub):
             return
         pending, self._pending = self._pending, []
         self._pending_keys.clear()
-        # stacked per dtype, so one cast per dtype, not per value
-        groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
+        # stacked per dtype and number of dimensions (one-element tensors with as many
+        # dimensions have one shape): one stack per group, not an op per value. Few
+        # distinct ops matter as much: each costs tens of us where the step left torch's
+        # code cold. One group is read as it is (tolist is exact for every dtype); several
+        # are cast to float64 to be read together.
+        groups: dict[torch.device, dict[tuple[torch.dtype, int], list[int]]] = {}
         for index, entry in enumerate(pending):
-            groups.setdefault(entry[1].device, {}).setdefault(entry[1].dtype, []).append(index)
+            tensor = entry[1]
+            groups.setdefault(tensor.device, {}).setdefault(
+                (tensor.dtype, tensor.dim()), []).append(index)
         values: list[Union[int, float]] = [0] * len(pending)
-        for by_dtype in groups.values():
-            read = torch.cat([torch.stack([pending[i][1].reshape(()) for i in indices]).to(
-                torch.float64) for indices in by_dtype.values()]).tolist()
-            order = (i for indices in by_dtype.values() for i in indices)
-            for i, number in zip(order, read):
-                values[i] = int(number) if not pending[i][1].is_floating_point() else number
+        for by_kind in groups.values():
+            stacks = [torch.stack([pending[i][1] for i in indices]) for indices in
+                      by_kind.values()]
+            read = stacks[0] if len(stacks) == 1 else torch.cat(
+                [stack.reshape(-1).to(torch.float64) for stack in stacks])
+            numbers = iter((read.reshape(-1) if read.dim() > 1 else read).tolist())
+            for (dtype, _), indices in by_kind.items():
+                for i, number in zip(indices, numbers):
+                    values[i] = number if dtype.is_floating_point else int(number)
         for (key, _, count, resumed, iteration), number in zip(pending, values):
-            self._update_history(key, number, count, resumed)
-            for observer in self._observers_for(key):
+            for observer in self._update_history(key, number, count, resumed):
                 observer(key, iteration, float(number))
 
     @property

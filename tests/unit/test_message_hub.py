@@ -32,12 +32,14 @@ class _Reads(TorchFunctionMode):
 def test_values_are_read_once_when_the_hub_is_read_with_mmengines_history() -> None:
     deferred = DeferredMessageHub.build('deferred_hub_test')
     plain = MessageHub.get_instance('plain_hub_test')
-    losses = [torch.tensor(v) for v in (0.5, 0.25, 1.5)]
+    # one-element tensors of every shape, and several dtypes, in one read
+    losses = [torch.tensor(0.5), torch.tensor([0.25]), torch.tensor([[1.5]])]
     with _Reads() as reads:
         for i, loss in enumerate(losses):
             for hub in (deferred, plain):
                 hub.update_scalar('train/loss', loss)
                 hub.update_scalar('train/grad_norm', torch.tensor(i, dtype=torch.int64))
+                hub.update_scalar('train/aux', loss.to(torch.bfloat16) / 3)
                 hub.update_scalar('train/lr', 0.1 * i)  # plain numbers go in at once
         plain_reads = reads.count
         reads.count = 0
@@ -45,8 +47,8 @@ def test_values_are_read_once_when_the_hub_is_read_with_mmengines_history() -> N
         assert reads.count == 0
         deferred_loss = deferred.get_scalar('train/loss')
         assert reads.count == 1  # one per device, whatever the number and the dtypes
-    assert plain_reads == 6
-    for key in ('train/loss', 'train/grad_norm', 'train/lr'):
+    assert plain_reads == 9
+    for key in ('train/loss', 'train/grad_norm', 'train/aux', 'train/lr'):
         assert deferred.get_scalar(key).data[0].tolist() == plain.get_scalar(key).data[0].tolist()
     assert deferred_loss.current() == 1.5
     assert type(deferred.get_scalar('train/grad_norm').current()) is type(
