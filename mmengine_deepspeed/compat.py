@@ -38,6 +38,9 @@ PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
     ('deepspeed.runtime.zero.partition_parameters', 'Init', '_zero_init_param',
      'overridden: 0-dim parameters built partitioned, parameters cast to Init.dtype there '
      '(tests/dist/test_partitioned.py)'),
+    ('deepspeed.runtime.zero.partition_parameters', 'Init', '_post_init_method',
+     'overridden: DeepSpeed partitioning a just-built module, untouched by the gathering '
+     'that construction code gets (tests/dist/test_partitioned.py parent_init)'),
     ('mmengine.hooks', 'CheckpointHook', '_save_checkpoint_with_step',
      'overridden: rotation after the save; called for preemption checkpoints '
      '(tests/unit/test_checkpoint_files.py, tests/dist/test_failures.py)'),

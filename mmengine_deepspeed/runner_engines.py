@@ -31,7 +31,7 @@ from .engine.spec import (
     named_optimizers,
 )
 from .engine.wrapper import overrides
-from .zero.partitioned import gather_on_use
+from .zero.gather import gather_on_use
 
 
 class EngineMethods(Runner):

@@ -164,11 +164,34 @@ class TensorsInInitModel(BaseModel):
 
 
 @MODELS.register_module()
-class ReadsWeightsInInitModel(TensorsInInitModel):
-    """Reads a just-built layer's values in ``__init__`` (a weight reshaped into a
-    buffer), which a partitioned parameter cannot give: built whole instead."""
+class ParentInitModel(TensorsInInitModel):
+    """A parent's ``__init__`` working on layers already built, which zero.Init has
+    partitioned by then: an initialiser drawing random numbers on one (MMCV's
+    ``ConvModule`` initialises its conv so; every later draw depends on it), a layer built
+    after that, ``.data.fill_``, ``self.apply(fn)``, and a weight's values read into a
+    buffer."""
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
+        nn.init.kaiming_normal_(self.stem.weight, mode='fan_out')
+        self.head = nn.Linear(self.stem.out_features, NUM_CLASSES)
+        self.head.bias.data.fill_(0.5)
+        self.apply(_norm_to_two)
         weight = self.stem.weight.view(self.stem.out_features, IN_FEATURES)
         self.register_buffer('stem_norm', weight.norm(dim=0))
+
+
+def _norm_to_two(module: nn.Module) -> None:
+    if isinstance(module, nn.BatchNorm1d):
+        nn.init.constant_(module.weight, 2.0)
+
+
+@MODELS.register_module()
+class LazyInInitModel(TensorsInInitModel):
+    """A lazy layer materialised by a dry run in ``__init__``: zero.Init cannot partition
+    its uninitialised parameters, so the model is built whole instead."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.head = nn.LazyLinear(NUM_CLASSES)
+        self.head(torch.zeros(1, self.stem.out_features))

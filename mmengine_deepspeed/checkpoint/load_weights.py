@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..zero.partitioned import gather_on_use
+from ..zero.gather import gather_on_use
 from .export import consolidated_state_dict
 from .layout import META_KEY, STATE_DICT_KEY, CheckpointError, check_checkpoint
 from .safe_load import safe_load
@@ -79,7 +79,7 @@ def load_weights_into(model: nn.Module, source: str, *, strict: bool,
     Args:
         bare (bool): No engine exists yet: a model built partitioned
             (``zero.Init``) is written one parameter group at a time
-            (``partitioned.gather_on_use``). Otherwise the caller gathered it.
+            (``gather.gather_on_use``). Otherwise the caller gathered it.
             Defaults to True.
 
     Returns:

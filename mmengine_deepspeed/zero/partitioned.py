@@ -6,17 +6,24 @@ as its ``__init__`` returns, so no rank ever holds the whole model. What
 comes after construction must then see whole tensors again without
 gathering the whole model:
 
-* ``init_weights()`` / ``init_cfg`` (MMEngine's initialisers, a model's own
-  ``init_weights`` calling ``nn.init.normal_(self.head.weight)``, or
+* a parent module's ``__init__`` touching a child's parameters after the
+  child's ``__init__`` returned (MMCV's ``ConvModule`` initialises its conv
+  there, in MMDetection's necks and heads and MMSegmentation's decoders;
+  ``self.apply(init_fn)``; ``self.fc.bias.data.zero_()``), ``init_weights()``
+  / ``init_cfg`` (MMEngine's initialisers, a model's own ``init_weights``
+  calling ``nn.init.normal_(self.head.weight)``, or
   ``m.weight.data.normal_()``) and ``load_from`` run inside
-  :class:`GatherOnUse`: a torch function mode in which any torch operation
+  :class:`~.gather.GatherOnUse`: a torch function mode in which any torch operation
   on a partitioned parameter first gathers that parameter. Gathered
   parameters stay whole until more than the largest submodule's worth is
   gathered; the oldest are then given back, rank 0's values broadcast
   (every rank ends with rank 0's initialisation, as DeepSpeed does at
   construction) and re-partitioned. Same operations on the same whole
   tensors in the same order means the same random numbers: the result is
-  the tensors the model gets without ``zero.Init``.
+  the tensors the model gets without ``zero.Init``. (DeepSpeed itself
+  gathers only for ``Module.apply``: a ``ConvModule``'s own initialisation
+  then drew no random numbers on the empty partition, and every later draw
+  of the model differed from MMEngine's ``Runner``'s.)
 * 0-dim parameters: DeepSpeed broadcasts a parameter as bytes
   (``view(torch.uint8)``), which torch refuses for a 0-dim tensor. They are
   partitioned as 1-element, 1-dim tensors and recorded 0-dim afterwards,
@@ -36,19 +43,17 @@ constructor overrides expect, so :class:`PartitionedInit` changes two of them:
   is overridden here; parameters are cast as they are partitioned, so they
   hold the same values as a model built whole and cast by the engine.
 
-Where construction still fails (code reading a just-partitioned parameter's
-values, say), the runner builds the model whole instead
+Where construction still fails, the runner builds the model whole instead
 (:func:`construction_failure` names the call for its log line).
 """
 from __future__ import annotations
 
+import copy
 import ctypes
 import ctypes.util
 import os.path as osp
 import traceback
-from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional
 
 import deepspeed
@@ -56,17 +61,11 @@ import torch
 from deepspeed.runtime.zero.partition_parameters import DeepSpeedTensorOverride
 from mmengine import dist as mmengine_dist
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
-from ..compat import full_numel, full_shape, is_released, is_zero3_param, set_full_shape
-from ..config.model_settings import largest_layer
-from .zero_dim import SCALAR_SHAPE, broadcastable
-
-
-def is_partitioned(model: nn.Module) -> bool:
-    """Whether ``model``'s parameters were built by ``zero.Init`` (ZeRO-3 parameters)."""
-    return any(is_zero3_param(p) for p in model.parameters())
+from ..compat import full_numel, set_full_shape
+from .gather import GatherOnUse
+from .zero_dim import SCALAR_SHAPE
 
 
 def _malloc_trim() -> Optional[Callable[[int], int]]:
@@ -138,9 +137,20 @@ class PartitionedInit(deepspeed.zero.Init):
     """
 
     def __init__(self, config_dict_or_path: dict):
-        super().__init__(config_dict_or_path=config_dict_or_path,
+        # GatherOnUse gathers what a function given to Module.apply touches, as it does
+        # everywhere else in the block: DeepSpeed's own apply wrapper (which gathers
+        # and re-partitions every parameter of each module) is switched off
+        config = copy.deepcopy(config_dict_or_path)
+        config.setdefault('zero_optimization', {})['override_module_apply'] = False
+        super().__init__(config_dict_or_path=config,
                          tensor_overrides=[DeepSpeedTensorOverride.device])
         self._deepspeed_new: Optional[Callable[..., torch.Tensor]] = None
+
+    # The gathering of the block being built in, one per process (the outermost block's).
+    # Class-wide: DeepSpeed may call an earlier block's _post_init_method (its skip_init
+    # hooks stay on the module classes when a module built on the meta device is never
+    # given to to_empty), and that partitioning must go by this block's gathering too.
+    _constructing: Optional[GatherOnUse] = None
 
     @override
     def __enter__(self) -> None:
@@ -150,10 +160,27 @@ class PartitionedInit(deepspeed.zero.Init):
             self._deepspeed_new = torch.Tensor.__new__
             torch.Tensor.__new__ = legacy_constructor(  # type: ignore[method-assign,assignment]
                 plain, self._deepspeed_new)
+            # the budget grows with the modules built (see _post_init_method)
+            PartitionedInit._constructing = GatherOnUse(budget=0)
+            PartitionedInit._constructing.__enter__()
+
+    @override
+    def _post_init_method(self, module: nn.Module) -> None:
+        gather = PartitionedInit._constructing
+        if gather is None:
+            super()._post_init_method(module)
+            return
+        with gather.paused():  # DeepSpeed partitioning the module's new parameters
+            super()._post_init_method(module)
+        gather.budget = max(gather.budget, sum(
+            full_numel(p) for p in module.parameters(recurse=False)))
 
     @override
     def __exit__(self, *exc: Any) -> Any:
-        if self._deepspeed_new is not None:
+        if self._deepspeed_new is not None:  # the outermost block
+            gather, PartitionedInit._constructing = PartitionedInit._constructing, None
+            if gather is not None:
+                gather.__exit__(*exc)  # collective: every rank gives back what it gathered
             torch.Tensor.__new__ = self._deepspeed_new  # type: ignore[method-assign,assignment]
             self._deepspeed_new = None
         return super().__exit__(*exc)
@@ -184,14 +211,15 @@ def partitioned_construction(ds_config: dict) -> PartitionedInit:
     return PartitionedInit(config_dict_or_path=ds_config)
 
 
-_NOT_MODEL_CODE = tuple(osp.dirname(module.__file__ or '') + osp.sep
-                        for module in (torch, deepspeed))
+# torch's, DeepSpeed's and this package's files (a failure passes through all three)
+_NOT_MODEL_CODE = (*(osp.dirname(module.__file__ or '') + osp.sep for module in (torch, deepspeed)),
+                   osp.dirname(osp.dirname(osp.abspath(__file__))) + osp.sep)
 
 
 def construction_failure(error: BaseException) -> str:
     """The model code's call an error came from, and the error (one line).
 
-    The innermost frame outside torch and DeepSpeed: the line of the model (or
+    The innermost frame outside torch, DeepSpeed and this package: the line of the model (or
     library) that did what ``zero.Init``, the meta device or ``plan`` could not.
     """
     frames = [f for f in traceback.extract_tb(error.__traceback__)
@@ -251,102 +279,6 @@ def whole_construction_note(failure: Optional[str], model: nn.Module) -> str:
     return (f'{why}; built it whole on every rank instead ({mib:.1f} MiB per rank until '
             'DeepSpeed partitions it). Change that call to build under zero.Init, or set '
             'zero_init=False to skip the attempt.')
-
-
-def _zero_params(value: Any, found: dict[int, nn.Parameter]) -> None:
-    if isinstance(value, nn.Parameter):
-        if is_zero3_param(value):
-            found.setdefault(id(value), value)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _zero_params(item, found)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _zero_params(item, found)
-
-
-def _getters(*names: str) -> frozenset:
-    return frozenset(getattr(torch.Tensor, name).__get__ for name in names)
-
-
-# What a tensor's shape answers: for a partitioned parameter, answered from
-# its full shape without gathering (MMEngine logs shapes on rank 0 only, and
-# a gather there would wait for ranks that never come).
-SHAPE_QUERIES = _getters('shape', 'ndim') | {
-    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement}
-# What the partitioned parameter itself answers as well as the whole one.
-PARAMETER_QUERIES = _getters('dtype', 'device', 'requires_grad', 'is_leaf', 'grad') | {
-    torch.Tensor.requires_grad_}
-
-
-class GatherOnUse(TorchFunctionMode):
-    """Inside the block, ZeRO-3 parameters are whole wherever torch touches them.
-
-    Every rank must run the same operations on the same parameters in the
-    same order (gathering is collective), which initialisation and loading
-    do. Persistent (small, never partitioned) ZeRO-3 parameters are taken
-    too, so every rank ends with rank 0's values for them as well.
-
-    Args:
-        model (nn.Module): The partitioned model; its largest submodule
-            sets how many elements may be gathered at once.
-    """
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self._budget = largest_layer(model)
-        self._held: OrderedDict[int, tuple[nn.Parameter, Any]] = OrderedDict()
-        self._numel = 0
-        self.peak_numel = 0
-
-    @override
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        if func in PARAMETER_QUERIES:
-            return func(*args, **kwargs)
-        if func in SHAPE_QUERIES and args and is_released(args[0]):
-            whole = torch.empty(full_shape(args[0]), device='meta')
-            return func(whole, *args[1:], **kwargs)
-        found: dict[int, nn.Parameter] = {}
-        _zero_params(args, found)
-        _zero_params(kwargs, found)
-        for param in found.values():
-            self._take(param)
-        return func(*args, **kwargs)
-
-    def _take(self, param: nn.Parameter) -> None:
-        key = id(param)
-        if key in self._held:
-            self._held.move_to_end(key)
-            return
-        numel = full_numel(param)
-        while self._held and self._numel + numel > self._budget:
-            self._give_back(next(iter(self._held)))
-        gathered = deepspeed.zero.GatheredParameters([param], modifier_rank=0)
-        gathered.__enter__()
-        self._held[key] = (param, gathered)
-        self._numel += numel
-        self.peak_numel = max(self.peak_numel, self._numel)
-
-    def _give_back(self, key: int) -> None:
-        param, gathered = self._held.pop(key)
-        self._numel -= full_numel(param)
-        # Leaving GatheredParameters broadcasts rank 0's values as bytes:
-        # a whole 0-dim parameter is 1-dim just for that (zero_dim.py).
-        with broadcastable([param]):
-            gathered.__exit__(None, None, None)
-
-    @override
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        while self._held:
-            self._give_back(next(iter(self._held)))
-
-
-def gather_on_use(model: nn.Module) -> AbstractContextManager:
-    """:class:`GatherOnUse` for a partitioned ``model``, else a block that does nothing."""
-    return GatherOnUse(model) if is_partitioned(model) else nullcontext()
 
 
 def build_advice(model: Any, stage: int, zero_init: bool, several: bool) -> Optional[str]:

@@ -31,7 +31,7 @@ import mmengine_deepspeed  # noqa: F401
 import tests.toy_layered  # noqa: F401  registers LayeredModel
 from benchmarks.common import reset_peak_rss, status_kib
 from mmengine_deepspeed import DeepSpeedRunner
-from mmengine_deepspeed.zero.partitioned import is_partitioned
+from mmengine_deepspeed.zero.gather import is_partitioned
 from tests.helpers import ema_state, model_state, run_scenarios, toy_config
 
 

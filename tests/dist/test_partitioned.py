@@ -49,7 +49,8 @@ SCENARIOS = [
             custom_hooks=[{'type': 'InitStateHook'}], ds_config=ds_config)
       for name, model, ds_config in (('tensors', 'TensorsInInitModel', Z3),
                                      ('tensors_bf16', 'TensorsInInitModel', Z3_BF16),
-                                     ('reads', 'ReadsWeightsInInitModel', Z3))
+                                     ('parent', 'ParentInitModel', Z3),
+                                     ('lazy', 'LazyInInitModel', Z3))
       for mode in ('whole', 'init')),
     train('checkpointing', ds_config=dict(Z3, activation_checkpointing=CHECKPOINTING),
           activation_checkpointing=['backbone.blocks.0', 'backbone.blocks.2']),
@@ -154,13 +155,26 @@ def test_tensors_made_in_init_build_under_zero_init(results: dict, name: str) ->
         assert whole['plain']['grid'].shape == (2, 3)
 
 
+def test_a_parent_s_init_on_built_layers_gives_the_whole_model_s_tensors(results: dict) -> None:
+    """A parent's __init__ drawing random numbers on a layer zero.Init already partitioned
+    (as MMCV's ConvModule does: DeepSpeed alone drew nothing there, and every later layer of
+    MMDetection's necks and heads differed from Runner's), filling, applying and reading:
+    built partitioned, the same tensors as built whole, and the same training."""
+    for whole, partitioned in zip(results['parent_whole'], results['parent_init']):
+        assert partitioned['partitioned'] and not whole['partitioned']
+        assert_equal(whole['init_state'], partitioned['init_state'])
+        assert_equal(whole['state'], partitioned['state'])
+        assert torch.equal(partitioned['init_state']['head.bias'], torch.full((4,), 0.5))
+        assert torch.equal(partitioned['init_state']['norm.weight'], torch.full((16,), 2.0))
+
+
 def test_a_model_zero_init_cannot_build_is_built_whole(results: dict, log: str) -> None:
-    """A model reading a just-partitioned weight's values in __init__: built whole, with
-    one warning naming the call and the cost, and the same tensors as zero_init=False."""
-    for whole, fallback in zip(results['reads_whole'], results['reads_init']):
+    """A lazy layer materialised in __init__: built whole, with one warning naming the
+    model's call and the cost, and the same tensors as zero_init=False."""
+    for whole, fallback in zip(results['lazy_whole'], results['lazy_init']):
         assert not fallback['partitioned']
         assert_equal(whole['init_state'], fallback['init_state'])
         assert_equal(whole['state'], fallback['state'])
     assert log.count('zero.Init could not build the model (') == 1  # rank 0 logs
-    assert 'toy_layered.py:' in log and 'self.stem.weight.view(' in log
+    assert 'toy_layered.py:' in log and 'self.head = nn.LazyLinear(NUM_CLASSES)' in log
     assert 'MiB per rank until DeepSpeed partitions it' in log

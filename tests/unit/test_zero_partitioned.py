@@ -9,7 +9,8 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import nn
 
 from mmengine_deepspeed import DeepSpeedRunner
-from mmengine_deepspeed.zero.partitioned import GatherOnUse, build_advice
+from mmengine_deepspeed.zero.gather import GatherOnUse
+from mmengine_deepspeed.zero.partitioned import build_advice
 from tests.helpers import ToyModel, toy_config
 
 
@@ -33,7 +34,7 @@ def test_shape_of_a_partitioned_parameter_is_answered_without_gathering() -> Non
     param = nn.Parameter(torch.empty(0))
     param.ds_id, param.ds_numel, param.ds_shape = 0, 12, torch.Size([3, 4])
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
-    mode = GatherOnUse(nn.Linear(3, 4))
+    mode = GatherOnUse(budget=12)
     with mode:
         assert param.shape == torch.Size([3, 4]) and param.size(1) == 4
         assert param.dim() == 2 and param.numel() == 12 and param.dtype == torch.float32
