@@ -65,7 +65,6 @@ def is_partitioned(model: nn.Module) -> bool:
     return any(is_zero3_param(p) for p in model.parameters())
 
 
-
 def _zero_params(value: Any, found: dict[int, nn.Parameter]) -> None:
     if isinstance(value, nn.Parameter):
         if is_zero3_param(value):
@@ -97,8 +96,8 @@ class GatherOnUse(TorchFunctionMode):
 
     Every rank must run the same operations on the same parameters in the
     same order (gathering is collective), which construction, initialisation
-    and loading do. Persistent (small, never partitioned) ZeRO-3 parameters are taken
-    too, so every rank ends with rank 0's values for them as well.
+    and loading do. Persistent (small, never partitioned) ZeRO-3 parameters are
+    taken too, so every rank ends with rank 0's values for them as well.
 
     Args:
         budget (int): How many elements may be gathered at once (the largest
@@ -162,15 +161,11 @@ class GatherOnUse(TorchFunctionMode):
         finally:
             self._paused = paused
 
-    def give_back_all(self) -> None:
-        """Re-partition every parameter gathered (with rank 0's values)."""
-        while self._held:
-            self._give_back(next(iter(self._held)))
-
     @override
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        self.give_back_all()
+        while self._held:
+            self._give_back(next(iter(self._held)))
 
 
 def gather_on_use(model: nn.Module) -> AbstractContextManager:
