@@ -19,6 +19,7 @@ import json
 import math
 import os.path as osp
 import re
+import shutil
 import sys
 from typing import Any, Callable
 
@@ -62,12 +63,13 @@ def write_config(directory: str, roots: dict[str, str], name: str, plain: bool =
 def train(tmp_path: Any, roots: dict[str, str], name: str, stage: int) -> str:
     library = CONFIGS[name][0]
     config = write_config(str(tmp_path), roots, name)
+    work_dir = osp.join(str(tmp_path), 'work')
     proc = run_torchrun(
-        [train_script(library), config, '--launcher', 'pytorch',
-         '--work-dir', osp.join(str(tmp_path), 'work'),
+        [train_script(library), config, '--launcher', 'pytorch', '--work-dir', work_dir,
          '--cfg-options', f'ds_config.zero_optimization.stage={stage}'],
         nproc=2, timeout=600)
     assert proc.returncode == 0, proc.stdout[-10000:]
+    shutil.rmtree(work_dir)  # its checkpoints (up to 0.7 GB a run): the log is in stdout
     return proc.stdout
 
 
@@ -111,6 +113,7 @@ def final_weights(library: str, config: str, work_dir: str, *options: str) -> di
         assert proc.returncode == 0, proc.stdout[-4000:]
         checkpoint = exported
     state = torch.load(checkpoint, map_location='cpu', weights_only=False)
+    shutil.rmtree(work_dir)  # its checkpoints (up to 0.5 GB a run)
     return state.get('state_dict', state)
 
 
