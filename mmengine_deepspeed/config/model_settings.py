@@ -14,7 +14,7 @@ from .resolve import precision, zero_stage
 
 # DeepSpeed 0.19's default zero_optimization.reduce_bucket_size, in elements: the cap.
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
-# The least a ZeRO-3 bucket or limit is sized to, in elements (40 MB in fp32): a small
+# The least a bucket or ZeRO-3 limit is sized to, in elements (40 MB in fp32): a small
 # model keeps DeepSpeed's behaviour (one bucket, everything gathered), which measured
 # 25-30 % faster per iteration on CPU than layer-sized buckets for a 1.4M-parameter GPT.
 ZERO3_FLOOR = 10_000_000
@@ -54,6 +54,47 @@ def largest_layer(model: nn.Module) -> int:
                 for module in model.modules()), default=0)
 
 
+def _layer_elements(model: nn.Module) -> tuple[int, int]:
+    """(the bucket-sized layer ``L``: the largest layer, at least :data:`ZERO3_FLOOR`, at most
+    DeepSpeed's default bucket; the trainable elements)."""
+    largest = largest_layer(model)
+    trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
+    return min(DEEPSPEED_REDUCE_BUCKET, max(ZERO3_FLOOR, largest)), trainable
+
+
+def reduce_bucket(model: nn.Module) -> int:
+    """``reduce_bucket_size`` sized to ``model``: one layer-sized bucket, no larger than the
+    trainable elements (a bucket of more is never filled), at any ZeRO stage."""
+    layer, trainable = _layer_elements(model)
+    return max(1, min(layer, trainable))
+
+
+def zero12_sizes(model: nn.Module) -> dict[str, int]:
+    """ZeRO-1/2's gradient bucket sized to ``model`` rather than to billions of parameters.
+
+    DeepSpeed's ZeRO-1/2 optimizer allocates ``reduce_bucket_size`` elements with
+    ``torch.empty`` at every backward (``setup_buckets``; twice with ``overlap_comm``),
+    in fp32 at ZeRO-1. The default, 5e8 elements, is 2 GB: on a GPU it is held
+    whether or not it is written, and under MMEngine's ``deterministic=True``
+    torch fills every ``torch.empty`` (``fill_uninitialized_memory``), so all of
+    it is written every iteration: 3x ZeRO-0's memory and 5x its time on an
+    11M-parameter ResNet (RESULTS.md). One bucket as large as the largest layer
+    (at least :data:`ZERO3_FLOOR`), no larger than the trainable elements, costs
+    at most one more collective per layer-sized slice of gradients. Each gradient
+    element is still reduced once over the same ranks, so results do not change.
+
+    ``allgather_bucket_size`` is left to DeepSpeed: its ZeRO-1/2 gathers the updated
+    partitions with ``all_gather_into_tensor`` where the backend has it (the bucket
+    is then not read), and otherwise in shards that are views of the flat buffer;
+    it allocates nothing, and a smaller value would only cut the gather into more
+    collectives.
+
+    Returns:
+        dict[str, int]: ``zero_optimization`` keys and values.
+    """
+    return dict(reduce_bucket_size=reduce_bucket(model))
+
+
 def zero3_sizes(model: nn.Module) -> dict[str, int]:
     """ZeRO-3's buffer and limit settings sized to ``model`` rather than to billions of parameters.
 
@@ -77,17 +118,16 @@ def zero3_sizes(model: nn.Module) -> dict[str, int]:
     Returns:
         dict[str, int]: ``zero_optimization`` keys and values.
     """
-    largest = largest_layer(model)
-    trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
-    layer = min(DEEPSPEED_REDUCE_BUCKET, max(ZERO3_FLOOR, largest))
-    return dict(reduce_bucket_size=max(1, min(layer, trainable)),
+    layer, trainable = _layer_elements(model)
+    return dict(reduce_bucket_size=reduce_bucket(model),
                 stage3_prefetch_bucket_size=layer,
                 stage3_max_live_parameters=2 * layer, stage3_max_reuse_distance=2 * layer,
                 sub_group_size=max(layer, -(-trainable // 16)))
 
 
-def fit_zero3_sizes(ds_config: dict, model: nn.Module) -> None:
-    """Under ZeRO-3, fill the :func:`zero3_sizes` settings the config leaves unset.
+def fit_zero_sizes(ds_config: dict, model: nn.Module) -> None:
+    """Fill the stage's model-sized settings the config leaves unset: :func:`zero12_sizes`
+    at ZeRO-1/2, :func:`zero3_sizes` at ZeRO-3, none at ZeRO-0.
 
     An explicit value is kept, each key on its own.
 
@@ -96,13 +136,14 @@ def fit_zero3_sizes(ds_config: dict, model: nn.Module) -> None:
         model (nn.Module): The model about to be wrapped (partitioned or not).
     """
     zero = ds_config.get('zero_optimization')
-    if zero_stage(ds_config) != 3 or not isinstance(zero, dict):
+    stage = zero_stage(ds_config)
+    if stage == 0 or not isinstance(zero, dict):
         return
-    for key, value in zero3_sizes(model).items():
+    for key, value in (zero3_sizes if stage == 3 else zero12_sizes)(model).items():
         zero.setdefault(key, value)
 
 
 def fit_to_model(ds_config: dict, model: nn.Module) -> None:
     """Every model-dependent setting above, applied to ``ds_config`` in place."""
     match_norm_buffers(ds_config, model)
-    fit_zero3_sizes(ds_config, model)
+    fit_zero_sizes(ds_config, model)

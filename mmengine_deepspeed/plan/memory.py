@@ -10,12 +10,17 @@ optimizer step (states and transients of the step).
 On CUDA the figure is what the allocator counts (``max_memory_allocated``);
 a bucket counts whole. On the CPU it is the process's RSS, in which a bucket
 counts only as far as gradients are written into it (untouched pages of
-``torch.empty`` are not resident), and freed memory that glibc keeps in its
-heap stays counted: :data:`CPU_HEAP_KEPT` models that from measurements.
+``torch.empty`` are not resident) unless torch's deterministic mode fills every
+``torch.empty`` (MMEngine's ``randomness.deterministic``), and freed memory that
+glibc keeps in its heap stays counted: :data:`CPU_HEAP_KEPT` models that from
+measurements.
 """
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass
+from typing import Any
+
+import torch
 
 from ..config.model_settings import DEEPSPEED_REDUCE_BUCKET
 from .activations import Activations
@@ -53,6 +58,8 @@ class MemoryLayout:
         ranks (int): Data-parallel ranks.
         micro_batch (int): Samples per rank per step.
         cuda (bool): Device memory is the CUDA allocator's (else host RSS).
+        filled (bool): ``torch.empty`` is filled (torch's deterministic mode), so a
+            bucket is resident whole on the CPU too. Defaults to False.
     """
 
     stage: int
@@ -62,6 +69,16 @@ class MemoryLayout:
     ranks: int
     micro_batch: int
     cuda: bool
+    filled: bool = False
+
+
+def fills_empty(cfg: Any) -> bool:
+    """Whether the run fills every ``torch.empty``: MMEngine's ``randomness.deterministic``
+    turns on torch's deterministic algorithms, whose ``fill_uninitialized_memory`` (on by
+    default) writes each new buffer whole."""
+    randomness = cfg.get('randomness') or {}
+    return bool(randomness.get('deterministic')) and \
+        torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -108,8 +125,9 @@ def engine_bytes(engine: EngineCensus, layout: MemoryLayout, zero: dict) -> Brea
     states, master = 4.0 * k * phi / (n if layout.stage else 1), 4.0 * phi / (n or 1)
 
     def touched(elements: float) -> float:
-        # a bucket of `elements`; on the CPU only what gradients are written into is resident
-        return elements if layout.cuda else min(elements, phi)
+        # a bucket of `elements`; on the CPU only what gradients are written into is resident,
+        # unless deterministic mode wrote it whole
+        return elements if layout.cuda or layout.filled else min(elements, phi)
 
     if layout.stage == 0:
         # DeepSpeed's bf16 optimizer keeps fp32 master weights and fp32 gradients beside the

@@ -21,7 +21,7 @@ from mmengine.config import Config
 from torch import nn
 
 from ..config.checks import offload_devices
-from ..config.model_settings import fit_zero3_sizes
+from ..config.model_settings import fit_zero_sizes
 from ..dist import cuda_available
 from ..engine.spec import EngineSpecs
 from ..process_memory import rss_mib
@@ -35,6 +35,7 @@ from .memory import (
     activation_bytes,
     cpu_heap_kept,
     engine_bytes,
+    fills_empty,
     transient_bytes,
 )
 
@@ -128,7 +129,7 @@ def _row_zero(ds_config: dict, stage: int, offload_opt: bool, offload_param: boo
             zero[f'offload_{part}'] = dict(zero.get(f'offload_{part}') or {}, device='cpu')
         else:
             zero.pop(f'offload_{part}', None)
-    fit_zero3_sizes(ds, model)
+    fit_zero_sizes(ds, model)
     return zero
 
 
@@ -178,7 +179,8 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
         zeros = {name: _row_zero(ds, stage, offload_opt, offload_param, model)
                  for name, ds in specs.configs().items()}
         row = _RowModel(engines, zeros, activations, MemoryLayout(
-            stage, offload_opt, offload_param, compute_bytes, ranks, micro_batch, cuda),
+            stage, offload_opt, offload_param, compute_bytes, ranks, micro_batch, cuda,
+            fills_empty(cfg)),
             fixed, nproc)
         predicted, host = row.peak_mib(micro_batch)
         plan.rows.append(Row(stage, 'cpu' if offload_opt else 'none',
@@ -280,7 +282,7 @@ def predicted_peak_mib(cfg: Config, specs: EngineSpecs, ranks: int, nproc: int,
         'zero_optimization.offload_optimizer', 'zero_optimization.offload_param'))
     layout = MemoryLayout(specs.zero_stage, offload_optimizer is not None,
                           offload_param is not None, compute_bytes, ranks, micro_batch,
-                          cuda_available())
+                          cuda_available(), fills_empty(cfg))
     zeros = {name: ds.get('zero_optimization') or {} for name, ds in specs.configs().items()}
     return _RowModel(engines, zeros, activations, layout, fixed_mib, nproc).peak_mib(
         micro_batch)[0]

@@ -8,10 +8,12 @@ import torch
 from torch import nn
 
 from mmengine_deepspeed.config.model_settings import (
+    DEEPSPEED_REDUCE_BUCKET,
     ZERO3_FLOOR,
-    fit_zero3_sizes,
+    fit_zero_sizes,
     match_norm_buffers,
     zero3_sizes,
+    zero12_sizes,
 )
 from tests.helpers import ToyModel
 
@@ -43,7 +45,7 @@ def test_zero3_sizes_follow_the_largest_layer() -> None:
         many = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(40)])
     model[0].requires_grad_(False)
     ds: dict = {'zero_optimization': {'stage': 3}}
-    fit_zero3_sizes(ds, model)
+    fit_zero_sizes(ds, model)
     layer = 4096 * 4096 + 4096
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert ZERO3_FLOOR < trainable < layer
@@ -68,17 +70,40 @@ def test_a_small_model_keeps_one_bucket_and_stays_gathered() -> None:
 def test_zero3_sizes_keep_each_explicit_value() -> None:
     ds: dict = {'zero_optimization': {'stage': 3, 'reduce_bucket_size': 123,
                                       'sub_group_size': 10**9}}
-    fit_zero3_sizes(ds, ToyModel(with_bn=False))
+    fit_zero_sizes(ds, ToyModel(with_bn=False))
     zero = ds['zero_optimization']
     assert zero['reduce_bucket_size'] == 123 and zero['sub_group_size'] == 10**9
     assert zero['stage3_max_live_parameters'] == 2 * zero['stage3_prefetch_bucket_size']
 
 
 @pytest.mark.parametrize('ds', [
-    {'zero_optimization': {'stage': 2}},  # ZeRO-1/2 have none of these settings
+    {'zero_optimization': {'stage': 0}},  # ZeRO-0 allocates no bucket
     {},
 ])
-def test_zero3_sizes_left_alone_below_zero3(ds: dict) -> None:
+def test_zero_sizes_left_alone_at_zero0(ds: dict) -> None:
     before = copy.deepcopy(ds)
-    fit_zero3_sizes(ds, ToyModel(with_bn=False))
+    fit_zero_sizes(ds, ToyModel(with_bn=False))
     assert ds == before
+
+
+@pytest.mark.parametrize('stage', [1, 2])
+def test_zero12_bucket_follows_the_model(stage: int) -> None:
+    """ZeRO-1/2's gradient bucket (allocated at every backward, and filled whole under
+    deterministic mode) is one layer-sized bucket, at most the trainable elements, instead
+    of DeepSpeed's 5e8; nothing else is set (the all-gather bucket allocates nothing)."""
+    with torch.device('meta'):
+        big = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(4)])
+    ds: dict = {'zero_optimization': {'stage': stage}}
+    fit_zero_sizes(ds, big)
+    layer = 4096 * 4096 + 4096
+    assert ds['zero_optimization'] == {'stage': stage, 'reduce_bucket_size': layer}
+    small = ToyModel(with_bn=False)
+    trainable = sum(p.numel() for p in small.parameters() if p.requires_grad)
+    assert zero12_sizes(small) == {'reduce_bucket_size': trainable}
+    assert trainable < ZERO3_FLOOR < DEEPSPEED_REDUCE_BUCKET
+
+
+def test_zero12_bucket_keeps_an_explicit_value() -> None:
+    ds: dict = {'zero_optimization': {'stage': 2, 'reduce_bucket_size': DEEPSPEED_REDUCE_BUCKET}}
+    fit_zero_sizes(ds, ToyModel(with_bn=False))
+    assert ds['zero_optimization']['reduce_bucket_size'] == DEEPSPEED_REDUCE_BUCKET

@@ -157,6 +157,27 @@ def test_an_untouched_bucket_counts_on_cuda_not_in_cpu_rss() -> None:
     assert cuda.backward - cpu.backward == pytest.approx(4 * (500_000_000 - 1_000_000))
 
 
+@pytest.mark.parametrize('stage', [1, 2, 3])
+def test_a_bucket_counts_whole_in_cpu_rss_under_deterministic_mode(stage: int) -> None:
+    """torch's deterministic mode fills every torch.empty, so the whole bucket is written
+    and resident (issue 43: the plan was 2.5x under at ZeRO-1/2 with `deterministic`)."""
+    small = _engine(1_000_000)
+    zero = {'reduce_bucket_size': 500_000_000}
+    plain = engine_bytes(small, _layout(stage), zero)
+    filled = engine_bytes(small, _layout(stage, filled=True), zero)
+    cuda = engine_bytes(small, _layout(stage, cuda=True), zero)
+    assert filled.backward == cuda.backward > plain.backward
+
+
+def test_deterministic_configs_fill_empty_tensors() -> None:
+    from mmengine.config import Config
+
+    from mmengine_deepspeed.plan.memory import fills_empty
+    assert fills_empty(Config(dict(randomness=dict(seed=0, deterministic=True))))
+    assert not fills_empty(Config(dict(randomness=dict(seed=0))))
+    assert not fills_empty(Config({}))
+
+
 def test_activations_scale_with_micro_batch_and_dtype() -> None:
     acts = Activations(float_bytes=4000, other_bytes=100, float_size=4, micro_batch=4,
                        method='traced')
