@@ -61,10 +61,14 @@ def _log_text(work_dir: str) -> str:
     return open(logs[0], encoding='utf-8').read()
 
 
-def test_unchanged_tools_train_py_trains_with_the_three_lines(tmp_path: Any) -> None:
-    """OpenMMLab's tools/train.py pattern + a config that only adds the three lines."""
+@pytest.mark.parametrize('tool', ['tools_train.py', 'tools_train_from_cfg.py'])
+def test_unchanged_tools_train_py_trains_with_the_three_lines(tmp_path: Any, tool: str) -> None:
+    """OpenMMLab's tools/train.py patterns + a config that only adds the three lines: the
+    script that builds ``RUNNERS.build(cfg)`` for a ``runner_type`` (MMDetection's), and the
+    one that calls ``Runner.from_cfg(cfg)`` whatever the config says (MMagic's; it trained a
+    plain Runner on one rank and died in MMEngine's init_dist on 2 CPU ranks)."""
     work_dir = str(tmp_path / 'work')
-    proc = run_torchrun([osp.join(FIXTURES, 'tools_train.py'),
+    proc = run_torchrun([osp.join(FIXTURES, tool),
                          osp.join(FIXTURES, 'toy_deepspeed.py'),
                          '--launcher', 'pytorch', '--work-dir', work_dir])
     assert proc.returncode == 0, proc.stdout[-6000:]

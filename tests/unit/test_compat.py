@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -144,3 +145,23 @@ def test_a_fused_optimizer_given_found_inf_leaves_parameters_and_state_unchanged
             assert all(torch.equal(v, before[1][index][k]) for k, v in state.items()
                        if isinstance(v, torch.Tensor))
     assert not compat.found_inf_supported(SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1))
+
+
+def test_runner_from_cfg_builds_the_runner_the_config_names(tmp_path: Any) -> None:
+    """MMagic's tools/train.py calls ``Runner.from_cfg(cfg)`` whatever the config says: a
+    config naming DeepSpeedRunner gets it (it got a plain Runner, silently, before issue
+    43); configs without ``runner_type``, or naming MMEngine's own runner, are untouched."""
+    from mmengine.config import Config
+    from mmengine.runner import Runner
+
+    from mmengine_deepspeed import DeepSpeedRunner
+    from tests.helpers import toy_config
+
+    def cfg(name: str, **keys: Any) -> Config:
+        return Config(dict(toy_config(str(tmp_path / name), max_iters=1, val=False), **keys))
+
+    routed = Runner.from_cfg(cfg('named', runner_type='DeepSpeedRunner'))
+    assert type(routed) is DeepSpeedRunner
+    assert type(Runner.from_cfg(cfg('plain'))) is Runner
+    assert type(Runner.from_cfg(cfg('runner', runner_type='Runner'))) is Runner
+    assert type(DeepSpeedRunner.from_cfg(cfg('direct'))) is DeepSpeedRunner
