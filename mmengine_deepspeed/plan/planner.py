@@ -26,7 +26,7 @@ from ..dist import cuda_available
 from ..engine.spec import EngineSpecs
 from ..process_memory import rss_mib
 from .activations import Activations, one_batch, trace_activations
-from .census import EngineCensus, census, meta_model
+from .census import EngineCensus, census, import_scope, meta_model
 from .memory import (
     CPU_RUNTIME_MIB,
     MIB,
@@ -61,6 +61,8 @@ class Row:
     construct_mib: float
     fits: bool
     max_micro_batch: int
+    mib_per_sample: float = 0.0
+    why: str = ''
 
 
 @dataclass
@@ -154,13 +156,16 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
         raise ValueError(f'--nproc {nproc} --nnodes {nnodes}: give at least 1 of each.')
     ranks = nproc * nnodes
     cuda = cuda_available()
+    # the fixed cost is taken where the runner takes the one its training log predicts from
+    # (DeepSpeedRunner.rss_at_start_mib): imports done, nothing of the config built yet
+    import_scope(cfg.get('default_scope', 'mmengine'))
+    gc.collect()
+    fixed = 0.0 if cuda else rss_mib()
     specs = _specs(cfg, ranks)
     model = meta_model(cfg)
     engines = census(cfg, model)
     batch = one_batch(cfg)
     micro_batch = int(specs.shared('train_micro_batch_size_per_gpu'))
-    gc.collect()
-    fixed = 0.0 if cuda else rss_mib()
     activations = trace_activations(cfg, meta_model(cfg), batch, micro_batch,
                                     [engine.name for engine in engines])
     mode = specs.precision
@@ -175,6 +180,7 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
     host_mib = host_memory_gib * 1024 if host_memory_gib is not None else _total_memory_mib()
     plan = Plan(nproc, nnodes, 'cuda' if cuda else 'cpu', mode, device_mib, host_mib, fixed,
                 engines, activations)
+    reference: Optional[dict[str, float]] = None  # ZeRO-0's parts, the first row
     for stage, offload_opt, offload_param in ROWS:
         zeros = {name: _row_zero(ds, stage, offload_opt, offload_param, model)
                  for name, ds in specs.configs().items()}
@@ -183,13 +189,17 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
             fills_empty(cfg)),
             fixed, nproc)
         predicted, host = row.peak_mib(micro_batch)
+        parts = row.parts(micro_batch)
+        reference = reference or parts
         plan.rows.append(Row(stage, 'cpu' if offload_opt else 'none',
                              'cpu' if offload_param else 'none', micro_batch,
                              round(predicted, 1), round(host, 1),
                              round(construction_mib(engines, stage, ranks, cuda, fixed,
                                                     bool(cfg.get('zero_init', True))), 1),
                              predicted <= device_mib and host <= host_mib,
-                             row.max_micro_batch(device_mib)))
+                             row.max_micro_batch(device_mib),
+                             round(row.peak_mib(micro_batch + 1)[0] - predicted, 2),
+                             why_more(parts, reference)))
     for engine in engines:
         if engine.states_note:
             plan.notes.append(f'{engine.name}: {engine.states_note}')
@@ -206,6 +216,22 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
     return plan
 
 
+# What a row's peak is made of (:meth:`_RowModel.parts`), in a word each: the model states
+# held all step (parameters, master weights, optimizer states, flat gradient partitions), the
+# step's own buffers (buckets, gathered layers, gradients), the activations saved for
+# backward, on the CPU what is offloaded to the same memory, what glibc's heap keeps
+# (:data:`~.memory.CPU_HEAP_KEPT`) and DeepSpeed's runtime for the stage.
+PARTS = ('states', 'buffers', 'activations', 'offload', 'heap', 'runtime')
+
+
+def why_more(parts: dict[str, float], reference: dict[str, float]) -> str:
+    """The part that makes a row's peak larger than ZeRO-0's, in a word ('' where it is
+    not larger): the table's ``why`` column."""
+    if sum(parts.values()) <= sum(reference.values()) + 0.5:
+        return ''
+    return max(PARTS, key=lambda name: parts[name] - reference[name])
+
+
 @dataclass
 class _RowModel:
     """One row's bytes as a function of the micro-batch."""
@@ -217,19 +243,36 @@ class _RowModel:
     fixed: float
     nproc: int
 
-    def peak_mib(self, micro_batch: int) -> tuple[float, float]:
-        """(device peak per rank, host per node), MiB, at ``micro_batch``."""
+    def parts(self, micro_batch: int) -> dict[str, float]:
+        """The device peak per rank at ``micro_batch`` beyond the fixed cost, by what holds
+        it (MiB; :data:`PARTS`): their sum is the peak. Activations count where the peak is
+        backward's; buffers are the moment's own (buckets, gathered layers, gradients)."""
         layout = replace(self.layout, micro_batch=micro_batch)
         total = sum((engine_bytes(e, layout, self.zeros[e.name]) for e in self.engines),
                     Breakdown())
         acts = activation_bytes(self.activations, layout)
         # a kernel's transient comes while part of the activations is saved: counted beside all
-        device = total.peak(acts + transient_bytes(self.activations, layout))
+        during_backward = total.backward + acts + transient_bytes(self.activations, layout)
+        later = max(total.after_backward, total.step)
+        parts = dict.fromkeys(PARTS, 0.0)
+        parts['states'] = total.held
+        if during_backward >= later:
+            parts['buffers'] = total.backward
+            parts['activations'] = during_backward - total.backward
+        else:
+            parts['buffers'] = later
         if not layout.cuda:  # one memory: the host's parts and what glibc keeps count too
             model_bytes = sum(4.0 * e.params for e in self.engines)
-            device += (total.host + cpu_heap_kept(layout.stage, model_bytes, acts)
-                       + CPU_RUNTIME_MIB[layout.stage] * MIB)
-        return self.fixed + device / MIB, total.host * self.nproc / MIB
+            parts['offload'] = total.host
+            parts['heap'] = cpu_heap_kept(layout.stage, model_bytes, acts)
+            parts['runtime'] = CPU_RUNTIME_MIB[layout.stage] * MIB
+        return {name: value / MIB for name, value in parts.items()}
+
+    def peak_mib(self, micro_batch: int) -> tuple[float, float]:
+        """(device peak per rank, host per node), MiB, at ``micro_batch``."""
+        layout = replace(self.layout, micro_batch=micro_batch)
+        host = sum(engine_bytes(e, layout, self.zeros[e.name]).host for e in self.engines)
+        return self.fixed + sum(self.parts(micro_batch).values()), host * self.nproc / MIB
 
     def max_micro_batch(self, device_mib: float) -> int:
         """The largest micro-batch whose peak fits ``device_mib`` (0: none)."""

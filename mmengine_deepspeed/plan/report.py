@@ -6,6 +6,12 @@ from typing import Optional
 from .memory import MIB
 from .planner import Plan, Row
 
+WHY = ('"more than ZeRO-0 for": what adds most where a row\'s peak is above ZeRO-0\'s: states '
+       '(parameters, fp32 master weights, optimizer states, gradient partitions), buffers '
+       '(gradient buckets, gathered layers), activations, offload (moved to the same host '
+       'memory), heap (freed memory glibc keeps), runtime (DeepSpeed\'s stage, measured); '
+       '"MiB per sample": what one more sample per rank adds, which sets the max micro-batch.')
+
 
 def _count(n: float) -> str:
     for unit, size in (('B', 1e9), ('M', 1e6), ('K', 1e3)):
@@ -67,14 +73,17 @@ def plan_text(plan: Plan) -> str:
                  f'MiB saved for backward at micro-batch {acts.micro_batch} ({how}, '
                  f'{acts.float_size}-byte floats)')
     if plan.platform == 'cpu':
-        lines.append(f'fixed: {plan.fixed_mib:.0f} MiB (this process after imports and one '
-                     'batch; each rank holds as much) plus the runtime; figures are peak RSS')
+        lines.append(f'fixed: {plan.fixed_mib:.0f} MiB (this process after imports, before the '
+                     "config's model and data, where the training log's prediction starts; "
+                     'each rank holds as much) plus the runtime; figures are peak RSS')
     lines += ['', '| ZeRO | offload optimizer | offload param | micro-batch | peak MiB/rank '
-              '| host MiB/node | construction MiB | fits | max micro-batch |',
-              '|---|---|---|---|---|---|---|---|---|']
+              '| more than ZeRO-0 for | MiB per sample | host MiB/node | construction MiB '
+              '| fits | max micro-batch |',
+              '|---|---|---|---|---|---|---|---|---|---|---|']
     lines += [f'| {r.stage} | {r.offload_optimizer} | {r.offload_param} | {r.micro_batch} | '
-              f'{r.peak_mib:.0f} | {r.host_mib:.0f} | {r.construct_mib:.0f} | '
-              f'{"yes" if r.fits else "no"} | {r.max_micro_batch} |' for r in plan.rows]
-    lines += ['', _advice(plan)]
+              f'{r.peak_mib:.0f} | {r.why or "-"} | {r.mib_per_sample:.1f} | {r.host_mib:.0f} | '
+              f'{r.construct_mib:.0f} | {"yes" if r.fits else "no"} | {r.max_micro_batch} |'
+              for r in plan.rows]
+    lines += ['', WHY, _advice(plan)]
     lines += [f'note: {note}' for note in plan.notes]
     return '\n'.join(lines)

@@ -18,7 +18,7 @@ from tests.helpers import ToyModel
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 ROW_KEYS = {'stage', 'offload_optimizer', 'offload_param', 'micro_batch', 'peak_mib', 'host_mib',
-            'construct_mib', 'fits', 'max_micro_batch'}
+            'construct_mib', 'fits', 'max_micro_batch', 'mib_per_sample', 'why'}
 DEMO = osp.join(ROOT, 'configs', 'demo_gpt_zero3.py')
 TOY = osp.join(ROOT, 'tests', 'fixtures', 'toy_deepspeed.py')
 
@@ -195,3 +195,21 @@ def test_construction_is_whole_or_a_partition_plus_the_largest_layer() -> None:
     assert construction_mib([engine], 3, 2, False, 300.0, zero_init=False) == 300 + 400
     assert construction_mib([engine], 3, 2, False, 300.0) == 300 + 200 + 40 + ZERO_INIT_FIXED_MIB
     assert construction_mib([engine], 3, 2, True, 0.0) == 200 + 40
+
+
+def test_a_rows_parts_add_up_to_its_peak_and_name_what_costs_more(demo_plan: dict) -> None:
+    """Issue 43: where a row costs more than ZeRO-0 the table says why in a word, and the
+    largest micro-batch follows from the same figures (its slope, MiB per sample)."""
+    from mmengine_deepspeed.plan.planner import PARTS, why_more
+    rows = demo_plan['rows']
+    assert rows[0]['why'] == ''  # the reference
+    for row in rows[1:]:
+        assert (row['why'] in PARTS) == (row['peak_mib'] > rows[0]['peak_mib'] + 0.5), row
+        assert row['mib_per_sample'] > 0
+    budget = 8 * 1024
+    for row in rows:  # the peak grows by its slope: the largest micro-batch is where it crosses
+        room = (budget - row['peak_mib']) / row['mib_per_sample']
+        assert abs(row['max_micro_batch'] - (row['micro_batch'] + room)) <= 0.02 * room + 2, row
+    zero = dict.fromkeys(PARTS, 1.0)
+    assert why_more(dict(zero, buffers=30.0), zero) == 'buffers'
+    assert why_more(dict(zero, states=0.0, heap=1.2), zero) == ''
