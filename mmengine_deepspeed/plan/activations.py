@@ -14,12 +14,15 @@ the same count is taken from a real training step (a one-process probe).
 from __future__ import annotations
 
 import copy
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from mmengine.config import Config
+from mmengine.logging import MessageHub
+from mmengine.optim import OptimWrapper
 from mmengine.registry import MODELS
 from mmengine.runner import Runner
 from mmengine.runner.activation_checkpointing import turn_on_activation_checkpointing
@@ -97,28 +100,53 @@ class _OnMeta(nn.Module):
         return _to(self.preprocessor(data, training), 'meta')
 
 
-class _StandIn:
+class _StandIn(OptimWrapper):
     """The optim wrapper(s) ``train_step`` is given on the meta device: each
     ``update_params`` (or ``backward``) stands in for the backward that would free
-    that forward's saved tensors before the step's next forward (a GAN runs several)."""
+    that forward's saved tensors before the step's next forward (a GAN runs several).
+    MMEngine's ``OptimWrapper`` (over an optimizer of nothing), so that a ``train_step``
+    that reads a wrapper's state (MMagic's ``BaseGAN`` reads ``_accumulative_counts`` and
+    calls ``initialize_count_status``) finds what a real one has."""
 
     def __init__(self, counter: SavedTensorCounter):
+        super().__init__(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0))
         self.counter = counter
 
-    def optim_context(self, *_: Any) -> AbstractContextManager:
+    @override
+    def optim_context(self, model: nn.Module) -> AbstractContextManager:
         return nullcontext()
 
-    def backward(self, *_: Any, **__: Any) -> None:
+    @override
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         self.counter.release_all()
 
-    def update_params(self, *_: Any, **__: Any) -> None:
+    @override
+    def update_params(self, loss: torch.Tensor, step_kwargs: Optional[dict] = None,
+                      zero_kwargs: Optional[dict] = None) -> None:
         self.counter.release_all()
 
-    def step(self, *_: Any, **__: Any) -> None:
+    @override
+    def step(self, **kwargs: Any) -> None:
         """Nothing to step: only activations are counted."""
 
-    def zero_grad(self, *_: Any, **__: Any) -> None:
+    @override
+    def zero_grad(self, **kwargs: Any) -> None:
         """Nothing to clear."""
+
+
+@contextmanager
+def _at_first_iteration() -> Iterator[None]:
+    """The current MessageHub's ``iter`` is 0 where no loop set it (``plan`` has no runner):
+    a ``train_step`` that reads it (MMagic's ``BaseGAN``) steps as at the first iteration."""
+    hub = MessageHub.get_current_instance()
+    missing = hub.get_info('iter') is None
+    if missing:
+        hub.update_info('iter', 0)
+    try:
+        yield
+    finally:
+        if missing:
+            hub.pop_info('iter')
 
 
 def one_batch(cfg: Config) -> Any:
@@ -142,7 +170,7 @@ def _count(model: nn.Module, batch: Any, checkpointed: list[str],
     stand_in = _StandIn(counter)
     wrapper: Any = stand_in if engines == [SINGLE_ENGINE] else {name: stand_in for name in engines}
     broadcast = BroadcastOperands()
-    with counter.hooks(), broadcast:
+    with counter.hooks(), broadcast, _at_first_iteration():
         model.train_step(batch, wrapper)  # type: ignore[operator]  # a BaseModel
     return (*counter.peak, broadcast.largest)
 

@@ -5,6 +5,7 @@ from typing import Any, Optional
 
 import torch
 from mmengine.config import Config
+from mmengine.logging import MessageHub
 from mmengine.model import BaseDataPreprocessor
 from mmengine.registry import MODELS
 
@@ -14,7 +15,7 @@ from mmengine_deepspeed.plan.activations import _count, one_batch, trace_activat
 from mmengine_deepspeed.plan.census import census, construction_note, meta_model
 from mmengine_deepspeed.plan.planner import make_plan
 from tests.helpers import ToyModel, toy_config
-from tests.toy_gan import gan_config
+from tests.toy_gan import ToyGAN, gan_config
 
 
 @MODELS.register_module()
@@ -81,6 +82,31 @@ def test_a_custom_train_step_with_several_optimizers_counts_its_largest_forward(
     names = [e.name for e in census(cfg, model)]
     acts = trace_activations(cfg, meta_model(cfg), one_batch(cfg), 4, names)
     assert acts.method == 'traced' and acts.float_bytes > 0
+
+
+@MODELS.register_module()
+class PlanStatefulGAN(ToyGAN):
+    """MMagic's ``BaseGAN.train_step`` pattern: the iteration from the MessageHub, the
+    discriminator's ``_accumulative_counts``, the generator's ``initialize_count_status``."""
+
+    def train_step(self, data: dict, optim_wrapper: Any) -> dict:
+        iteration = MessageHub.get_current_instance().get_info('iter')
+        counts = optim_wrapper['discriminator']._accumulative_counts
+        assert (iteration + 1) % counts == 0
+        optim_wrapper['generator'].initialize_count_status(self.generator, 0, counts)
+        return super().train_step(data, optim_wrapper)
+
+
+def test_a_train_step_reading_its_wrappers_state_is_traced() -> None:
+    """Issue 43: MMagic's GANs read their optim wrappers' accumulation and the hub's
+    iteration; the meta trace stopped with "'_StandIn' object has no attribute
+    '_accumulative_counts'" (and None + 1 without a loop's iteration)."""
+    cfg = Config(gan_config('/tmp/unused'))
+    cfg.model.type = 'PlanStatefulGAN'
+    names = [e.name for e in census(cfg, meta_model(cfg))]
+    acts = trace_activations(cfg, meta_model(cfg), one_batch(cfg), 4, names, probe=False)
+    assert acts.method == 'traced' and acts.float_bytes > 0
+    assert MessageHub.get_current_instance().get_info('iter') is None  # left as it was
 
 
 def test_tracing_draws_no_random_numbers_from_the_run_stream() -> None:
