@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -113,8 +113,9 @@ class _StandIn(OptimWrapper):
         self.counter = counter
 
     @override
-    def optim_context(self, model: nn.Module) -> AbstractContextManager:
-        return nullcontext()
+    @contextmanager
+    def optim_context(self, model: nn.Module) -> Iterator[None]:
+        yield
 
     @override
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
