@@ -104,9 +104,11 @@ def test_a_train_step_reading_its_wrappers_state_is_traced() -> None:
     cfg = Config(gan_config('/tmp/unused'))
     cfg.model.type = 'PlanStatefulGAN'
     names = [e.name for e in census(cfg, meta_model(cfg))]
+    hub = MessageHub.get_instance('plan_stateful_gan')  # the current one: no loop's iteration
+    assert MessageHub.get_current_instance() is hub and hub.get_info('iter') is None
     acts = trace_activations(cfg, meta_model(cfg), one_batch(cfg), 4, names, probe=False)
     assert acts.method == 'traced' and acts.float_bytes > 0
-    assert MessageHub.get_current_instance().get_info('iter') is None  # left as it was
+    assert hub.get_info('iter') is None  # left as it was
 
 
 def test_tracing_draws_no_random_numbers_from_the_run_stream() -> None:
