@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import glob
+import json
 import os.path as osp
+import re
 import subprocess
 import sys
 from typing import Any
@@ -37,6 +39,14 @@ def test_train_nproc_2_then_resume(tmp_path: Any) -> None:
     for fragment in ('grad_norm:', 'samples_per_s:', 'peak_mem_mb:', 'Epoch(train) [2][4/4]',
                      '`mmengine-deepspeed plan` predicts'):
         assert fragment in log, fragment
+    # one figure (issue 43): `plan` before launching says what the training log says, both
+    # from the same fixed cost (the process after imports, before the config's model and data)
+    logged = float(re.search(r'`mmengine-deepspeed plan` predicts (\d+) MiB', log)[1])
+    planned = cli('plan', CONFIG, '--nproc', '2', '--zero', '3', '--json')
+    assert planned.returncode == 0, planned.stdout[-3000:]
+    row = next(r for r in json.loads(planned.stdout[planned.stdout.index('{'):])['rows']
+               if (r['stage'], r['offload_optimizer']) == (3, 'none'))
+    assert abs(row['peak_mib'] - logged) <= 0.03 * logged, (row['peak_mib'], logged)
     again = cli('train', CONFIG, '--nproc', '2', '--zero', '3', '--work-dir', work, '--resume',
                 '--cfg-options', 'train_cfg.max_epochs=3')
     assert again.returncode == 0, again.stdout[-6000:]
