@@ -14,11 +14,13 @@ the same count is taken from a real training step (a one-process probe).
 from __future__ import annotations
 
 import copy
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from mmengine.config import Config
 from mmengine.logging import MessageHub
@@ -29,6 +31,7 @@ from mmengine.runner.activation_checkpointing import turn_on_activation_checkpoi
 from torch import nn
 from typing_extensions import override
 
+from ..compat import TorchDispatchMode
 from ..engine.spec import SINGLE_ENGINE
 from .census import construction_note, on_meta
 from .saved import SavedTensorCounter
@@ -160,6 +163,42 @@ def one_batch(cfg: Config) -> Any:
     return next(iter(Runner.build_dataloader(loader_cfg, seed=0)))
 
 
+def _to_meta(value: Any) -> Any:
+    """``value`` with its tensors of one element or more on the meta device (0-dim CPU
+    tensors mix with any device, as torch allows)."""
+    if isinstance(value, torch.Tensor):
+        return value.to('meta') if value.dim() and not value.is_meta else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(item) for item in value)
+    return value
+
+
+def _has_meta(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.is_meta
+    return isinstance(value, (list, tuple)) and any(_has_meta(item) for item in value)
+
+
+class _KeptOnMeta(TorchDispatchMode):
+    """The traced step stays on the meta device where model code moves or mixes tensors by
+    device: MMagic's generators put their noise on ``get_module_device(self)``, which is
+    the CPU for a model that is not on CUDA (``.to('cpu')`` of a meta tensor cannot copy
+    data that does not exist), and a tensor made without a device (``torch.randn(shape)``)
+    meets the meta model's outputs. An op with a meta operand runs on the meta device."""
+
+    @override
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if _has_meta(args) or _has_meta(list(kwargs.values())):
+            if func is torch.ops.aten._to_copy.default:
+                kwargs['device'] = torch.device('meta')
+            else:
+                args = _to_meta(args)
+                kwargs = {key: _to_meta(value) for key, value in kwargs.items()}
+        return func(*args, **kwargs)
+
+
 def _count(model: nn.Module, batch: Any, checkpointed: list[str],
            engines: list[str]) -> tuple[int, int, int]:
     """(float bytes, other bytes) one ``train_step`` saves for backward at most at once,
@@ -171,9 +210,26 @@ def _count(model: nn.Module, batch: Any, checkpointed: list[str],
     stand_in = _StandIn(counter)
     wrapper: Any = stand_in if engines == [SINGLE_ENGINE] else {name: stand_in for name in engines}
     broadcast = BroadcastOperands()
-    with counter.hooks(), broadcast, _at_first_iteration():
+    # what the step draws (a GAN's torch.randn noise is made on the CPU, without a device)
+    # comes from forked streams: the training log traces inside the run, whose random numbers
+    # must be the ones Runner draws
+    with _streams_kept(), counter.hooks(), broadcast, _KeptOnMeta(), _at_first_iteration():
         model.train_step(batch, wrapper)  # type: ignore[operator]  # a BaseModel
     return (*counter.peak, broadcast.largest)
+
+
+@contextmanager
+def _streams_kept() -> Iterator[None]:
+    """Python's, NumPy's and torch's (CPU, and CUDA where in use) random streams as they
+    were before the block, whatever it drew."""
+    python, numpy = random.getstate(), np.random.get_state()
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
 
 
 def trace_activations(cfg: Config, model: nn.Module, batch: Any, micro_batch: int,

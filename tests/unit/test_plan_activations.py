@@ -1,8 +1,10 @@
 """plan/activations.py: what one training step saves, traced on meta, or probed for real."""
 from __future__ import annotations
 
+import random
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from mmengine.config import Config
 from mmengine.logging import MessageHub
@@ -109,6 +111,36 @@ def test_a_train_step_reading_its_wrappers_state_is_traced() -> None:
     acts = trace_activations(cfg, meta_model(cfg), one_batch(cfg), 4, names, probe=False)
     assert acts.method == 'traced' and acts.float_bytes > 0
     assert hub.get_info('iter') is None  # left as it was
+
+
+@MODELS.register_module()
+class PlanCpuNoiseModel(ToyModel):
+    """MMagic's generators: noise made without a device (the CPU's generator), inputs moved
+    to ``get_module_device(self)`` (the CPU for a model not on CUDA), Python's and NumPy's
+    streams drawn from too."""
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        noise = torch.randn(inputs.shape[0], inputs.shape[1]) * random.random() \
+            * float(np.random.rand())
+        inputs = inputs.to(torch.device('cpu')) + noise
+        return super().forward(inputs, labels, mode)
+
+
+def test_a_step_that_makes_cpu_tensors_is_traced_and_draws_nothing() -> None:
+    """Issue 43: MMagic's DCGAN stopped the meta trace with "Cannot copy out of meta tensor"
+    (its noise moved to the CPU), after drawing its noise from the run's CPU stream."""
+    cfg = Config(dict(model=dict(type='PlanCpuNoiseModel'), optim_wrapper=dict(
+        optimizer=dict(type='SGD', lr=0.1)), train_dataloader=dict(
+            batch_size=4, num_workers=0, dataset=dict(type='ToyDataset', size=8),
+            sampler=dict(type='DefaultSampler', shuffle=False),
+            collate_fn=dict(type='default_collate'))))
+    batch = one_batch(cfg)
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    acts = trace_activations(cfg, meta_model(cfg), batch, 4, ['model'], probe=False)
+    assert acts.method == 'traced' and acts.float_bytes > 0
+    assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
+    assert (np.random.get_state()[1] == states[2]).all()
 
 
 def test_tracing_draws_no_random_numbers_from_the_run_stream() -> None:
