@@ -1,8 +1,8 @@
 """What a user pays on real OpenMMLab configs: each ZeRO stage against ZeRO-0, deterministic or not.
 
 The real-client tier's configs (``tests/openmmlab/configs.py``: MMPretrain ResNet-18,
-MMDetection RetinaNet and Faster R-CNN, MMSegmentation SegFormer; each the library's own
-config plus the three lines), on the tier's generated data made larger, through the
+MMDetection RetinaNet and Faster R-CNN, MMSegmentation SegFormer, MMagic DCGAN; each the
+library's own config plus the three lines), on the tier's generated data made larger, through the
 library's own ``tools/train.py`` on 2 CPU ranks, fp32, seed 0, at ZeRO 0-3, with
 MMEngine's ``randomness.deterministic`` on and off. Beside ours at ZeRO-1/2, the same run
 with DeepSpeed's own defaults (``reduce_bucket_size`` 5e8 given explicitly, which the
@@ -40,9 +40,10 @@ from tests.openmmlab.configs import CONFIGS
 # The tier's data, larger: enough batches for --iters iterations on 2 ranks in one epoch.
 DATA = {'mmdet': lambda root, n: data.coco_detection(root, train=n, val=2),
         'mmseg': lambda root, n: data.ade20k_segmentation(root, train=n, val=2),
-        'mmpretrain': lambda root, n: data.image_folders(root, per_class=-(-n // 3))}
+        'mmpretrain': lambda root, n: data.image_folders(root, per_class=-(-n // 3)),
+        'mmagic': lambda root, n: data.image_folders(root, per_class=-(-n // 3))}
 # Samples per rank per iteration (the issue's ResNet figures: batch 8).
-BATCH = {'resnet_cifar': 8, 'retinanet': 2, 'faster_rcnn': 2, 'segformer': 2}
+BATCH = {'resnet_cifar': 8, 'retinanet': 2, 'faster_rcnn': 2, 'segformer': 2, 'dcgan': 2}
 
 
 def train_script(library: str) -> str:
@@ -93,7 +94,8 @@ def run(name: str, root: str, work: str, stage: int, deterministic: bool, defaul
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--configs', default='resnet_cifar,retinanet,faster_rcnn,segformer')
+    parser.add_argument('--configs',
+                        default='resnet_cifar,retinanet,faster_rcnn,segformer,dcgan')
     parser.add_argument('--stages', default='0,1,2,3')
     parser.add_argument('--modes', default='plain,deterministic')
     parser.add_argument('--iters', type=int, default=12)

@@ -8,6 +8,7 @@ elastic launch API); under ``torchrun`` / ``srun`` / ``mpirun`` pass
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import os.path as osp
 import sys
@@ -135,19 +136,22 @@ def print_plan(args: argparse.Namespace) -> Any:
     from .training import load_train_config
     from .zero.partitioned import construction_failure
 
-    cfg = load_train_config(args.config, None, 'none', args.cfg_options, zero=args.zero,
-                            ds_config=args.ds_config)
-    try:
-        plan = make_plan(cfg, nproc=args.nproc, nnodes=args.nnodes,
-                         device_memory_gib=args.device_memory,
-                         host_memory_gib=args.host_memory)
-    except (DsConfigError, ValueError):
-        raise
-    except Exception as e:  # the model's own code failed: one line naming where, exit 2
-        raise ValueError(f'{args.config}: the model could not be sized, neither on the meta '
-                         f'device nor with one real step ({construction_failure(e)}). '
-                         'Train it for a few iterations and read peak_mem_mb in its log.'
-                         ) from e
+    # stdout carries the plan alone (--json is read by programs): what the config's libraries
+    # print or log while it is sized (MMEngine's logger writes to stdout) goes to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        cfg = load_train_config(args.config, None, 'none', args.cfg_options, zero=args.zero,
+                                ds_config=args.ds_config)
+        try:
+            plan = make_plan(cfg, nproc=args.nproc, nnodes=args.nnodes,
+                             device_memory_gib=args.device_memory,
+                             host_memory_gib=args.host_memory)
+        except (DsConfigError, ValueError):
+            raise
+        except Exception as e:  # the model's own code failed: one line naming where, exit 2
+            raise ValueError(f'{args.config}: the model could not be sized, neither on the '
+                             'meta device nor with one real step '
+                             f'({construction_failure(e)}). Train it for a few iterations '
+                             'and read peak_mem_mb in its log.') from e
     print(json.dumps(plan.as_json(), indent=2) if args.json else plan_text(plan))
     return plan
 

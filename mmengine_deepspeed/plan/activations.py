@@ -14,13 +14,11 @@ the same count is taken from a real training step (a one-process probe).
 from __future__ import annotations
 
 import copy
-import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import numpy as np
 import torch
 from mmengine.config import Config
 from mmengine.logging import MessageHub
@@ -33,7 +31,7 @@ from typing_extensions import override
 
 from ..compat import TorchDispatchMode
 from ..engine.spec import SINGLE_ENGINE
-from .census import construction_note, on_meta
+from .census import construction_note, on_meta, streams_kept
 from .saved import SavedTensorCounter
 from .transients import BroadcastOperands, copies_broadcast
 
@@ -213,23 +211,10 @@ def _count(model: nn.Module, batch: Any, checkpointed: list[str],
     # what the step draws (a GAN's torch.randn noise is made on the CPU, without a device)
     # comes from forked streams: the training log traces inside the run, whose random numbers
     # must be the ones Runner draws
-    with _streams_kept(), counter.hooks(), broadcast, _KeptOnMeta(), _at_first_iteration():
+    with streams_kept(), counter.hooks(), broadcast, _KeptOnMeta(), _at_first_iteration():
         model.train_step(batch, wrapper)  # type: ignore[operator]  # a BaseModel
     return (*counter.peak, broadcast.largest)
 
-
-@contextmanager
-def _streams_kept() -> Iterator[None]:
-    """Python's, NumPy's and torch's (CPU, and CUDA where in use) random streams as they
-    were before the block, whatever it drew."""
-    python, numpy = random.getstate(), np.random.get_state()
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    try:
-        with torch.random.fork_rng(devices=cuda):
-            yield
-    finally:
-        random.setstate(python)
-        np.random.set_state(numpy)
 
 
 def trace_activations(cfg: Config, model: nn.Module, batch: Any, micro_batch: int,

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import random
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from mmengine.config import Config
 from mmengine.optim import build_optim_wrapper
@@ -110,7 +114,12 @@ def meta_model(cfg: Config, for_real: bool = True) -> nn.Module:
     try:
         with torch.device('meta'):
             return MODELS.build(model_cfg)
-    except Exception as e:  # model code that reads values while it is built
+    except Exception:  # model code that reads values while it is built: see below
+        pass
+    try:
+        with streams_kept(), parameters_on_meta():
+            return MODELS.build(model_cfg).to('meta')
+    except Exception as e:  # it reads its own parameters' values
         if not for_real:
             raise
         model = MODELS.build(model_cfg)
@@ -118,6 +127,43 @@ def meta_model(cfg: Config, for_real: bool = True) -> nn.Module:
             f'building the model on the meta device failed ({construction_failure(e)}); it '
             'was built for real in this process instead')
         return model
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Each parameter moved to the meta device as a module registers it (Accelerate's
+    ``init_empty_weights``, with MMEngine's models in mind): construction code that reads
+    values of other tensors (MMPretrain's ResNet and MMSegmentation's MiT take their
+    drop-path rates from ``torch.linspace(...).item()``) runs on the CPU, and no more than
+    one layer's weights is allocated at a time. Where ``torch.device('meta')`` builds the
+    model, :func:`meta_model` uses that (no allocation, no initialisation at all)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        if param is not None and not param.is_meta:  # registered again below, on meta
+            param = type(param)(param.detach().to('meta'), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+@contextmanager
+def streams_kept() -> Iterator[None]:
+    """Python's, NumPy's and torch's (CPU, and CUDA where in use) random streams as they
+    were before the block, whatever it drew: the training log sizes its model inside the
+    run, whose random numbers must be the ones Runner draws."""
+    python, numpy = random.getstate(), np.random.get_state()
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
 
 
 def construction_note(model: nn.Module) -> Optional[str]:

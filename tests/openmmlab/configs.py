@@ -103,4 +103,22 @@ test_dataloader = val_dataloader
 train_cfg = dict(max_epochs=2, val_interval=2)
 default_hooks = dict(logger=dict(interval=1))
 ''', 'accuracy/top1'),
+    # MMagic: DCGAN (a generator and a discriminator: one engine each), through MMagic's
+    # tools/train.py, which calls Runner.from_cfg(cfg) whatever runner_type says. No
+    # validation: its metrics (MS-SSIM, SWD) sample 10,000 images.
+    'dcgan': ('mmagic', "_base_ = 'mmagic::dcgan/dcgan_1xb128-300kiters_celeba-cropped-64.py'"
+              + THREE_LINES + '''
+data_root = '{root}'
+train_dataloader = dict(batch_size=2, num_workers=0, persistent_workers=False,
+                        dataset=dict(data_root=data_root, recursive=True))
+val_dataloader = None
+val_cfg = None
+val_evaluator = None
+test_dataloader = None
+test_cfg = None
+test_evaluator = None
+train_cfg = dict(max_iters=4)
+default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=4))
+custom_hooks = []
+''', None),
 }

@@ -5,6 +5,7 @@ import random
 from typing import Any, Optional
 
 import numpy as np
+import pytest
 import torch
 from mmengine.config import Config
 from mmengine.logging import MessageHub
@@ -186,12 +187,21 @@ class PlanOwnPreprocessorModel(ToyModel):
 
 @MODELS.register_module()
 class PlanValuesInInitModel(ToyModel):
-    """Reads values while it is built (SegFormer's drop-path rates), which the meta
-    device cannot give."""
+    """Reads values while it is built (SegFormer's and MMPretrain ResNet's drop-path
+    rates), which ``torch.device('meta')`` cannot give."""
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         self.rates = [x.item() for x in torch.linspace(0, 0.1, 3)]
+
+
+@MODELS.register_module()
+class PlanParameterValueInInitModel(ToyModel):
+    """Reads one of its own parameters' values while it is built: no meta device can."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.scale = float(self.frozen.sum().item())
 
 
 def _toy(model: dict) -> Config:
@@ -207,12 +217,29 @@ def test_the_models_own_preprocessor_is_traced_on_the_meta_device() -> None:
     assert acts.method == 'traced' and acts.float_bytes == floats > 0
 
 
-def test_a_model_that_reads_values_while_built_is_measured_for_real() -> None:
-    cfg = _toy(dict(type='PlanValuesInInitModel', with_bn=False))
+def test_a_model_that_reads_values_while_built_is_built_with_its_parameters_on_meta() -> None:
+    """Issue 43: MMPretrain's ResNet and MMSegmentation's MiT take drop-path rates from
+    ``torch.linspace(...).item()`` in ``__init__``; each parameter goes to the meta device as
+    it is registered, so the model is still sized and traced without its weights, and the
+    run's random streams are left as they were (initialisation on the CPU draws)."""
+    cfg = _toy(dict(type='PlanValuesInInitModel', with_bn=True))
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    model = meta_model(cfg, for_real=False)
+    assert torch.equal(torch.rand(3), expected)
+    assert all(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    assert construction_note(model) is None and model.rates[-1] == pytest.approx(0.1)
+    acts = trace_activations(cfg, model, one_batch(cfg), 4, ['model'])
+    assert acts.method == 'traced' and acts.note is None
+
+
+def test_a_model_that_reads_its_parameters_while_built_is_measured_for_real() -> None:
+    cfg = _toy(dict(type='PlanParameterValueInInitModel', with_bn=False))
     model = meta_model(cfg)
     assert not any(p.is_meta for p in model.parameters())
     assert 'building the model on the meta device failed' in construction_note(model)
-    assert 'x.item()' in construction_note(model)
+    assert 'item()' in construction_note(model)
     assert sum(e.params for e in census(cfg, model)) == sum(
         p.numel() for p in model.parameters())
     acts = trace_activations(cfg, model, one_batch(cfg), 4, ['model'])
