@@ -296,23 +296,12 @@ def set_loop_position(loop: Any, epoch: int, iteration: int) -> None:
 
 
 def route_from_cfg_to(runner_class: type) -> None:
-    """Make ``Runner.from_cfg(cfg)`` build the runner ``cfg.runner_type`` names, where that
-    is ``runner_class`` or a subclass of it.
-
-    MMDetection's, MMSegmentation's and MMPretrain's ``tools/train.py`` build
-    ``RUNNERS.build(cfg)`` when a config sets ``runner_type``; MMagic's (and other
-    tools written before ``runner_type`` existed) call ``Runner.from_cfg(cfg)``
-    unconditionally, which builds a plain ``Runner`` whatever the config says: a run
-    that looks like a DeepSpeed one trains without DeepSpeed, and on 2 CPU ranks dies in
-    MMEngine's ``init_dist``. The config names the runner, so the call builds that runner.
-    Only ``Runner.from_cfg`` itself is routed (a subclass's ``from_cfg``, and so
-    ``RUNNERS.build``, are MMEngine's as they were), and only for a ``runner_type`` that
-    resolves to ``runner_class``: MMEngine's behaviour for every other config is
-    unchanged. Calling this again changes nothing. Pinned by tests/unit/test_compat.py
-    and tests/dist/test_setup.py (an MMagic-style tools/train.py on 2 ranks).
-
-    Args:
-        runner_class (type): The runner a config must name to be routed.
+    """``Runner.from_cfg(cfg)`` builds the runner ``cfg.runner_type`` names where that is
+    ``runner_class`` or a subclass: MMagic's ``tools/train.py`` calls it whatever the config
+    says (MMDetection's builds ``RUNNERS.build(cfg)``), which trained a plain ``Runner``
+    silently. Only ``Runner.from_cfg`` itself is routed (a subclass's, and so
+    ``RUNNERS.build``, are MMEngine's) and only for such a ``runner_type``; calling this
+    again changes nothing. Pinned by tests/unit/test_compat.py and tests/dist/test_setup.py.
     """
     from mmengine.registry import RUNNERS
     from mmengine.runner import Runner

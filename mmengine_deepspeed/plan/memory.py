@@ -105,10 +105,6 @@ class Breakdown:
     def __add__(self, other: Breakdown) -> Breakdown:
         return Breakdown(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
-    def peak(self, activations: float) -> float:
-        """The device's peak over the step, with ``activations`` saved for backward."""
-        return self.held + max(self.backward + activations, self.after_backward, self.step)
-
 
 def engine_bytes(engine: EngineCensus, layout: MemoryLayout, zero: dict) -> Breakdown:
     """One engine's bytes on one rank under ``layout``.
