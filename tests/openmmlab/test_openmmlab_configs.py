@@ -170,3 +170,12 @@ def test_plan_sizes_the_config(tmp_path: Any, roots: dict[str, str], name: str) 
     assert len(plan['rows']) == 8 and all(row['peak_mib'] > 0 for row in plan['rows'])
     if plan['activations']['method'] == 'probe':
         assert any('real' in note for note in plan['notes']), plan['notes']
+
+
+def test_real_configs_benchmark_smoke() -> None:
+    """benchmarks/real_configs.py (RESULTS.md section 7) in its seconds-long mode: ResNet-18
+    at deterministic ZeRO-2, with our bucket and DeepSpeed's, through MMPretrain's tools."""
+    proc = run_command([sys.executable, 'benchmarks/real_configs.py', '--smoke'], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith('| resnet_cifar | 2 |')]
+    assert len(rows) == 2 and '| ours |' in rows[0] and '| DeepSpeed |' in rows[1], rows
