@@ -64,6 +64,9 @@ PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
      'subclassed: plan sees the operands of the kernels a traced step calls (torch documents '
      'it in "Extending PyTorch" but exports it from no public module; '
      'tests/unit/test_plan_transients.py)'),
+    ('torch._ops', 'ops.aten', '_to_copy',
+     'the op behind Tensor.to(device): plan\'s trace keeps a meta tensor moved to the CPU on '
+     'meta (an ATen core-IR op; tests/unit/test_plan_activations.py)'),
     ('torch._ops', 'ops.mkldnn', '_is_mkldnn_bf16_supported',
      'whether the CPU\'s bf16 bmm copies a broadcast operand (plan/transients.py; '
      'tests/unit/test_plan_transients.py)'),
@@ -328,6 +331,8 @@ def route_from_cfg_to(runner_class: type) -> None:
 # torch documents its dispatch modes ("Extending PyTorch") but exports the base class from no
 # public module; plan/transients.py subclasses it (tests/unit/test_plan_transients.py)
 TorchDispatchMode = _TorchDispatchMode
+# ATen's op behind Tensor.to(device=...), as a dispatch mode sees it (PRIVATE_NAMES).
+TO_COPY = torch.ops.aten._to_copy.default
 
 
 def dynamo_counts() -> dict[str, int]:

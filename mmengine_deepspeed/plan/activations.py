@@ -29,7 +29,7 @@ from mmengine.runner.activation_checkpointing import turn_on_activation_checkpoi
 from torch import nn
 from typing_extensions import override
 
-from ..compat import TorchDispatchMode
+from ..compat import TO_COPY, TorchDispatchMode
 from ..engine.spec import SINGLE_ENGINE
 from .census import construction_note, on_meta, streams_kept
 from .saved import SavedTensorCounter
@@ -189,7 +189,7 @@ class _KeptOnMeta(TorchDispatchMode):
                            kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
         if _has_meta(args) or _has_meta(list(kwargs.values())):
-            if func is torch.ops.aten._to_copy.default:
+            if func is TO_COPY:
                 kwargs['device'] = torch.device('meta')
             else:
                 args = _to_meta(args)
