@@ -19,12 +19,17 @@ import importlib.util
 import os.path as osp
 import sys
 
+# file: [(the unpatched text, what replaces it)]; a file whose unpatched text is gone and
+# whose replacement is there is patched already.
 PATCHES = {
-    'utils/trans_utils.py': [('np.bool8:', 'np.bool_:')],
+    'utils/trans_utils.py': [('    np.bool_: (False, True),\n    np.bool8: (False, True),\n',
+                              '    np.bool_: (False, True),\n')],
     'models/editors/dcgan/dcgan_discriminator.py': [(
-        "            module_name = m.__class__.__name__\n",
-        "            module_name = m.__class__.__name__\n"
-        "            init_info = f'{module_name} keeps its initialization.'\n")],
+        '            module_name = m.__class__.__name__\n'
+        '            if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)):\n',
+        '            module_name = m.__class__.__name__\n'
+        "            init_info = f'{module_name} keeps its initialization.'\n"
+        '            if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)):\n')],
 }
 
 
@@ -39,13 +44,12 @@ def main() -> int:
         with open(path, encoding='utf-8') as f:
             text = f.read()
         for old, new in replacements:
-            if new in text:
-                continue
-            if old not in text:
-                print(f'patch_mmagic: {path} has no {old.strip()!r}: another MMagic version?',
-                      file=sys.stderr)
+            if old in text:
+                text = text.replace(old, new)
+            elif new not in text:
+                print(f'patch_mmagic: {path} has neither the text to patch nor the patch: '
+                      'another MMagic version?', file=sys.stderr)
                 return 1
-            text = text.replace(old, new)
         with open(path, 'w', encoding='utf-8') as f:
             f.write(text)
     return 0
