@@ -32,6 +32,15 @@ class PlanValueModel(ToyModel):
         return super().forward(inputs, labels, mode)
 
 
+def _sgd_on_toy_data(model_type: str) -> Config:
+    """A config training ``model_type`` with SGD on 8 toy samples, batches of 4, in order."""
+    return Config(dict(model=dict(type=model_type), optim_wrapper=dict(
+        optimizer=dict(type='SGD', lr=0.1)), train_dataloader=dict(
+            batch_size=4, num_workers=0, dataset=dict(type='ToyDataset', size=8),
+            sampler=dict(type='DefaultSampler', shuffle=False),
+            collate_fn=dict(type='default_collate'))))
+
+
 def _gpt(**extra: Any) -> Config:
     return Config(dict(
         model=dict(type='TinyGPT', block_size=32, width=64, depth=3, heads=4,
@@ -69,11 +78,7 @@ def test_activation_checkpointing_saves_less() -> None:
 
 
 def test_a_forward_that_needs_values_is_probed_for_real_and_says_why() -> None:
-    cfg = Config(dict(model=dict(type='PlanValueModel'), optim_wrapper=dict(
-        optimizer=dict(type='SGD', lr=0.1)), train_dataloader=dict(
-            batch_size=4, num_workers=0, dataset=dict(type='ToyDataset', size=8),
-            sampler=dict(type='DefaultSampler', shuffle=False),
-            collate_fn=dict(type='default_collate'))))
+    cfg = _sgd_on_toy_data('PlanValueModel')
     acts = trace_activations(cfg, meta_model(cfg), one_batch(cfg), 4, ['model'])
     assert acts.method == 'probe' and acts.float_bytes > 0
     assert acts.note is not None and 'meta' in acts.note
@@ -131,11 +136,7 @@ class PlanCpuNoiseModel(ToyModel):
 def test_a_step_that_makes_cpu_tensors_is_traced_and_draws_nothing() -> None:
     """Issue 43: MMagic's DCGAN stopped the meta trace with "Cannot copy out of meta tensor"
     (its noise moved to the CPU), after drawing its noise from the run's CPU stream."""
-    cfg = Config(dict(model=dict(type='PlanCpuNoiseModel'), optim_wrapper=dict(
-        optimizer=dict(type='SGD', lr=0.1)), train_dataloader=dict(
-            batch_size=4, num_workers=0, dataset=dict(type='ToyDataset', size=8),
-            sampler=dict(type='DefaultSampler', shuffle=False),
-            collate_fn=dict(type='default_collate'))))
+    cfg = _sgd_on_toy_data('PlanCpuNoiseModel')
     batch = one_batch(cfg)
     states = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
     acts = trace_activations(cfg, meta_model(cfg), batch, 4, ['model'], probe=False)
@@ -147,11 +148,7 @@ def test_a_step_that_makes_cpu_tensors_is_traced_and_draws_nothing() -> None:
 def test_tracing_draws_no_random_numbers_from_the_run_stream() -> None:
     """The training log's prediction traces inside training: a model with dropout and
     torch.randn must leave the stream as it found it (parity and exact resume rely on it)."""
-    cfg = Config(dict(model=dict(type='ToyRandomModel'), optim_wrapper=dict(
-        optimizer=dict(type='SGD', lr=0.1)), train_dataloader=dict(
-            batch_size=4, num_workers=0, dataset=dict(type='ToyDataset', size=8),
-            sampler=dict(type='DefaultSampler', shuffle=False),
-            collate_fn=dict(type='default_collate'))))
+    cfg = _sgd_on_toy_data('ToyRandomModel')
     batch = one_batch(cfg)
     torch.manual_seed(0)
     expected = torch.rand(3)
