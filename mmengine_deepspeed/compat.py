@@ -70,6 +70,10 @@ PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
     ('torch._ops', 'ops.mkldnn', '_is_mkldnn_bf16_supported',
      'whether the CPU\'s bf16 bmm copies a broadcast operand (plan/transients.py; '
      'tests/unit/test_plan_transients.py)'),
+    ('deepspeed.runtime.zero.partitioned_param_coordinator', 'PartitionedParameterCoordinator',
+     'release_and_reset_all',
+     'undocumented: a ZeRO-3 model updating its own averaged copy waits for the prefetches '
+     'in flight and releases both copies first (tests/dist/test_in_step.py)'),
     ('torch.autograd.graph', 'Node', '_sequence_nr',
      'the same-parameters check walks the graph again only when its size changed '
      '(tests/unit/test_compat.py)'),
@@ -154,6 +158,30 @@ def mark_op_unavailable(name: str) -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__[name] = False
+
+
+def release_module_params(engine: Any, module: nn.Module) -> None:
+    """Wait for ``module``'s ZeRO-3 parameters in flight and release them all.
+
+    A ZeRO-3 engine prefetches the parameters its recorded trace will need
+    next; those of a module the model updates itself between two forwards
+    may be in flight then, which ``GatheredParameters`` neither waits for nor
+    can release ("Cannot partition a param in flight"). DeepSpeed's coordinator
+    does both, for any module (``engine.empty_partition_cache`` does it for the
+    whole model, which would also release a module still running); no public
+    API reaches it. It takes the modules DeepSpeed registered (those with
+    ``ds_external_parameters``): a container built on the fly (BYOL's
+    ``nn.Sequential(backbone, neck)``) is reached through its children.
+    Pinned by tests/dist/test_in_step.py.
+    """
+    coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
+    pending = [module]
+    while pending:
+        current = pending.pop()
+        if hasattr(current, 'ds_external_parameters'):
+            coordinator.release_and_reset_all(current)
+        else:
+            pending.extend(current.children())
 
 
 # ZeRO-3 parameter attributes. DeepSpeed documents ``ds_shape`` / ``ds_numel`` /

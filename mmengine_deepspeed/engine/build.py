@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..config.resolve import DTYPES, zero_stage
 from ..dist import cuda_available
+from ..zero.in_step import update_on_whole_tensors
 from ..zero.unused_params import untrace_parameterless_modules, zero3_unsupported
 from ..zero.zero_dim import initializable
 from .banner import banner, precision_note
@@ -125,9 +126,12 @@ def build_engine(module: nn.Module, optimizer: Optional[Optimizer],
     Returns:
         DeepSpeedEngine: The engine.
     """
-    with initializable(module, zero3=zero_stage(ds_config) == 3):
+    zero3 = zero_stage(ds_config) == 3
+    with initializable(module, zero3=zero3):
         engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
     untrace_parameterless_modules(engine)
+    if zero3 and optimizer is not None:
+        update_on_whole_tensors(engine)
     return engine
 
 

@@ -13,6 +13,8 @@ from mmengine.runner import Runner
 from typing_extensions import override
 
 from ..compat import call_with_hooks
+from ..engine.spec import EngineSpecs
+from ..zero.gather import release_all
 from .registration import (
     added_hooks,
     added_hooks_info,
@@ -21,12 +23,18 @@ from .registration import (
     in_priority_order,
 )
 
+# The events that end a phase: a hook called for them finds no ZeRO-3 parameter gathered,
+# prefetched or in flight (GatheredParameters, state_dict() and exports work there).
+PHASE_ENDS = frozenset({'after_train_epoch', 'after_train', 'after_val_epoch',
+                        'after_test_epoch'})
+
 
 class HookMethods(Runner):
     """Runner's ``register_default_hooks`` / ``register_hooks`` / ``call_hook`` /
     ``get_hooks_info`` for DeepSpeedRunner (``hooks/registration.py``)."""
 
     added_hooks: list[Hook]  # the runner's own, run beside runner.hooks
+    engine_specs: EngineSpecs
     nonfinite_hook: Hook  # configured by the runner's nonfinite / exclude_samples
     # (the registered hooks, the merged order): sorted again only when they change
     _hook_order: Optional[tuple[tuple[Hook, ...], list[Hook]]] = None
@@ -51,7 +59,11 @@ class HookMethods(Runner):
     @override
     def call_hook(self, fn_name: str, **kwargs: Any) -> None:
         """MMEngine's ``call_hook`` over the registered hooks and :attr:`added_hooks`,
-        in priority order (at equal priority the registered ones first)."""
+        in priority order (at equal priority the registered ones first); at the end of
+        a phase (:data:`PHASE_ENDS`) ZeRO-3 engines first give back what they hold whole."""
+        if fn_name in PHASE_ENDS and self.engine_specs.built:
+            for engine in self.engine_specs.engines().values():
+                release_all(engine)
         registered = tuple(self.hooks)
         if self._hook_order is None or registered != self._hook_order[0]:
             self._hook_order = (registered, in_priority_order(self.hooks, self.added_hooks))

@@ -60,6 +60,20 @@ def gathered_params(params: list[nn.Parameter], modify: bool = False) -> Iterato
                 after_exit.enter_context(broadcastable(params))
 
 
+def release_all(engine: Any) -> None:
+    """Partition every parameter a ZeRO-3 ``engine`` holds whole, prefetched or in flight.
+
+    Between phases (after a training epoch, training, a validation or test
+    epoch) the engine may still hold parameters its last forward or backward
+    prefetched, some of them in flight, and small ones it never releases:
+    ``GatheredParameters`` in a hook then fails on leaving ("Cannot partition a
+    param in flight"). DeepSpeed's ``empty_partition_cache`` waits for them and
+    releases all; a no-op below ZeRO-3.
+    """
+    if engine.zero_optimization_partition_weights():
+        engine.empty_partition_cache()
+
+
 def is_partitioned(model: nn.Module) -> bool:
     """Whether ``model``'s parameters were built by ``zero.Init`` (ZeRO-3 parameters)."""
     return any(is_zero3_param(p) for p in model.parameters())

@@ -26,11 +26,13 @@ from typing import Any
 
 import deepspeed
 import torch
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from mmengine.config import Config
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS, RUNNERS
 
 import mmengine_deepspeed  # noqa: F401
+import tests.toy_teacher  # noqa: F401  registers ToyTeacherModel
 from mmengine_deepspeed.checkpoint.layout import MARKER_FILE
 from mmengine_deepspeed.dist import init_distributed
 from tests.helpers import (
@@ -117,6 +119,34 @@ class SignalHook(Hook):
             os.kill(os.getpid(), self.signal)
 
 
+@HOOKS.register_module()
+class GatherBetweenPhasesHook(Hook):
+    """Gathers the whole model where users export weights: after training, validation and
+    testing (``deepspeed.zero.GatheredParameters`` without a modifier rank, as an export
+    hook does); records, per event, how many ZeRO-3 parameters it found held whole (gathered,
+    prefetched or in flight) and the gathered parameters' sum."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, float]] = []
+
+    def _gather(self, runner: Any, event: str) -> None:
+        module = runner.model.module
+        held = sum(getattr(p, 'ds_status', None) not in (None, ZeroParamStatus.NOT_AVAILABLE)
+                   for p in module.parameters())
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            total = float(sum(p.double().sum() for p in module.parameters()))
+        self.seen.append((event, held, total))
+
+    def after_train(self, runner: Any) -> None:
+        self._gather(runner, 'after_train')
+
+    def after_val_epoch(self, runner: Any, metrics: Any = None) -> None:
+        self._gather(runner, 'after_val_epoch')
+
+    def after_test_epoch(self, runner: Any, metrics: Any = None) -> None:
+        self._gather(runner, 'after_test_epoch')
+
+
 def run(out_dir: str, scenario: dict) -> None:
     name = scenario['name']
     mode = scenario.get('mode', 'train')
@@ -170,8 +200,9 @@ def run(out_dir: str, scenario: dict) -> None:
             if 'train/grad_norm' in hub.log_scalars else None)
     module = runner.model.module
     result['head_used'] = getattr(module, 'head_used', None)
+    result['phases'] = [seen for hook in runner.hooks for seen in getattr(hook, 'seen', [])]
     # a submodule read through the wrapper, as through the bare model in one process
-    result['fc1_through_wrapper'] = getattr(runner.model, 'fc1', None) is module.fc1
+    result['fc1_through_wrapper'] = getattr(runner.model, 'fc1', None) is getattr(module, 'fc1', 0)
     if mode == 'plain':
         result.update(state=model_state(module), shapes={k: tuple(v.shape) for k, v in
                                                          module.state_dict().items()})
