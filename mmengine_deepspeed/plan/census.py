@@ -28,6 +28,7 @@ from ..compat import full_numel
 from ..config.model_settings import largest_layer
 from ..engine.build import owned_submodules
 from ..engine.spec import as_plain_wrappers, named_optimizers
+from ..zero.in_step import averaged_models
 from ..zero.partitioned import construction_failure
 
 # fp32 values per trained element, for optimizers a one-element step cannot
@@ -49,6 +50,9 @@ class EngineCensus:
         optimizer (str): The optimizer's class name ('' without one).
         states (int): fp32 values the optimizer keeps per trained element.
         states_note (str, optional): How ``states`` was found, when assumed.
+        averaged (int): Elements of the averaged models the model updates in its own
+            step (BYOL's target): under ZeRO-3 each update gathers them and their
+            source whole (zero/in_step.py). Defaults to 0.
     """
 
     name: str
@@ -60,6 +64,7 @@ class EngineCensus:
     optimizer: str = ''
     states: int = 0
     states_note: Optional[str] = None
+    averaged: int = 0
 
     @property
     def params(self) -> int:
@@ -223,7 +228,9 @@ def census(cfg: Config, model: nn.Module) -> list[EngineCensus]:
             trainable=sum(full_numel(p) for p in params if id(p) in stepped),
             dtypes=dict(_by_dtype(params)),
             largest_layer=largest_layer(module),
-            optimizer=type(optimizer).__name__, states=states, states_note=note))
+            optimizer=type(optimizer).__name__, states=states, states_note=note,
+            averaged=sum(full_numel(p) for m in averaged_models(module)
+                         for p in m.parameters())))
     return engines
 
 

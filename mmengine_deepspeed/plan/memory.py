@@ -152,7 +152,9 @@ def engine_bytes(engine: EngineCensus, layout: MemoryLayout, zero: dict) -> Brea
         # the flat buffer of this rank's gradient partitions, all allocated by initialize
         held = p * (whole + (psi - whole) / n) + master + states + p * phi / n
         gathered = p * (max(live, layer) + prefetch)
-        out = Breakdown(held, gathered + p * reduce, gathered + p * reduce,
+        # an averaged model's update in the step: it and its source gathered whole
+        in_step = 2.0 * p * engine.averaged
+        out = Breakdown(held, gathered + p * reduce + in_step, gathered + p * reduce,
                         8.0 * sub_group)  # one sub-group's fp32 gradients and update
     if layout.offload_optimizer:
         moved = master + states

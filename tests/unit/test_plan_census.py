@@ -9,7 +9,8 @@ import torch
 from mmengine.config import Config
 from mmengine.registry import DefaultScope
 
-import tests.toy_gan  # noqa: F401  registers ToyGAN
+import tests.toy_gan
+import tests.toy_teacher  # noqa: F401  registers ToyTeacherModel
 from mmengine_deepspeed.plan.census import census, import_scope, meta_model, optimizer_states
 from tests.helpers import toy_config
 from tests.toy_gan import gan_config
@@ -96,3 +97,13 @@ def test_a_scope_s_models_and_datasets_are_imported_before_the_fixed_cost_is_rea
     assert sys.modules['scopelib.models'].IMPORTED
     assert DefaultScope.get_current_instance() is None or (
         DefaultScope.get_current_instance().scope_name != 'scopelib')
+
+
+def test_an_averaged_model_updated_in_the_step_is_counted() -> None:
+    """BYOL's target: ZeRO-3 gathers it and its source whole for each update."""
+    cfg = Config(toy_config('/tmp/unused', model=dict(type='ToyTeacherModel')))
+    model = meta_model(cfg)
+    (engine,) = census(cfg, model)
+    assert engine.averaged == sum(p.numel() for p in model.teacher.parameters()) > 0
+    (plain,) = census(Config(toy_config('/tmp/unused')), meta_model(Config(toy_config('/tmp/x'))))
+    assert plain.averaged == 0

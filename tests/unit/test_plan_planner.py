@@ -138,6 +138,16 @@ def test_model_states_divide_by_the_ranks_as_zero_partitions_them() -> None:
     assert bf16 == (2 + 4 + 4 + 8) * phi  # DeepSpeed's bf16 optimizer: fp32 master and grads
 
 
+def test_an_averaged_model_updated_in_the_step_is_gathered_whole_at_zero3_only() -> None:
+    phi = 10_000_000
+    engine = _engine(phi)
+    teacher = EngineCensus(**{**vars(engine), 'averaged': phi // 4})
+    for stage in range(4):
+        extra = (engine_bytes(teacher, _layout(stage), {}).backward
+                 - engine_bytes(engine, _layout(stage), {}).backward)
+        assert extra == (2 * 4 * phi // 4 if stage == 3 else 0)
+
+
 def test_offload_moves_optimizer_states_and_parameters_to_the_host() -> None:
     phi = 10_000_000
     plain = engine_bytes(_engine(phi), _layout(3), {})
