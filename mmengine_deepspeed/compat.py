@@ -184,6 +184,22 @@ def release_module_params(engine: Any, module: nn.Module) -> None:
             pending.extend(current.children())
 
 
+def clipped_global_grad_norm(engine: Any) -> torch.Tensor:
+    """The norm of all gradients of the step being taken, after DeepSpeed's clipping.
+
+    DeepSpeed's ZeRO and bf16 optimizers store the norm in ``_global_grad_norm``
+    before they step the first param group (the engine's public
+    ``get_global_grad_norm`` has it only after the step), then scale the gradients by
+    ``min(1, clip / (norm + 1e-6))``. LAMB's own clip reads the clipped norm. Pinned by
+    tests/dist/test_norm_optimizers.py (LAMB with clip_grad at every stage).
+    """
+    norm = torch.as_tensor(engine.optimizer._global_grad_norm, dtype=torch.float64)
+    clip = float(engine.gradient_clipping() or 0.0)
+    if clip > 0:
+        norm = norm * torch.clamp(clip / (norm + 1e-6), max=1.0)
+    return norm
+
+
 # ZeRO-3 parameter attributes. DeepSpeed documents ``ds_shape`` / ``ds_numel`` /
 # ``ds_tensor`` on partitioned parameters but offers no accessor functions.
 

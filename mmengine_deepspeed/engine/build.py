@@ -30,15 +30,17 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from ..compat import clipped_global_grad_norm
 from ..config.resolve import DTYPES, zero_stage
 from ..dist import cuda_available
 from ..zero.in_step import update_on_whole_tensors
 from ..zero.unused_params import untrace_parameterless_modules, zero3_unsupported
 from ..zero.zero_dim import initializable
 from .banner import banner, precision_note
+from .norm_optimizers import PartitionedNormStep, check_for_zero, norm_math
 from .offload import cpu_optimizer
 from .optim_wrapper import DeepSpeedOptimWrapper
-from .spec import SINGLE_ENGINE, EngineSpecs, engine_label
+from .spec import ELEMENTWISE_OPTIMIZERS, SINGLE_ENGINE, EngineSpec, EngineSpecs, engine_label
 from .wrapper import DeepSpeedEngineWrapper, cast_floating
 
 # The dtype floating inputs are cast to, by precision.
@@ -135,6 +137,25 @@ def build_engine(module: nn.Module, optimizer: Optional[Optimizer],
     return engine
 
 
+def partitioned_norms(spec: EngineSpec) -> None:
+    """A norm-reading optimizer (LARS, LAMB) steps each parameter with its whole norms on
+    the partitions DeepSpeed hands it (``engine/norm_optimizers.py``)."""
+    math_name = norm_math(spec.optimizer)
+    if math_name is None:
+        return
+    stage = zero_stage(spec.ds_config)
+    if stage == 3 and (spec.ds_config.get('fp16') or {}).get('enabled'):
+        raise ValueError(
+            f'{type(spec.optimizer).__name__} reads each parameter\'s norm, which ZeRO-3 in '
+            'fp16 would take from loss-scaled gradients; at ZeRO-3 it is stepped per '
+            'parameter in fp32 and bf16. Use bf16=dict(enabled=True) (or '
+            'zero_optimization.stage=2).')
+    PartitionedNormStep(
+        spec.optimizer, math_name, stage,  # type: ignore[arg-type]
+        lambda: clipped_global_grad_norm(spec.engine)
+    ).install()
+
+
 def cast_inputs(module: nn.Module, dtype: torch.dtype) -> RemovableHandle:
     """Cast the floating inputs of ``module`` to ``dtype`` whenever it is called.
 
@@ -197,6 +218,12 @@ def build_engines(specs: EngineSpecs, model: nn.Module,
             spec.optimizer, note = cpu_optimizer(spec.optimizer, spec.ds_config)
             if note is not None:
                 logger.info(note)
+            partitioned_norms(spec)
+            if not isinstance(spec.optimizer, ELEMENTWISE_OPTIMIZERS):
+                note = check_for_zero(spec.optimizer, zero_stage(spec.ds_config),
+                                      bool(spec.ds_config.get('zero_allow_untested_optimizer')))
+                if note is not None:
+                    logger.warning(note)
     for name, path in owned_submodules(model, {s.name: s.optimizer for s in specs}).items():
         specs[name].path = path
     before_partitioning(specs)

@@ -36,11 +36,13 @@ from ..config.resolve import (
 )
 from ..dist import cuda_available, native_bf16
 from ..zero.zero_dim import engine_config
+from .norm_optimizers import norm_math
 
 # torch optimizers that update each element from its own gradient and state
 # only, and therefore behave the same on ZeRO's flattened partitions. DeepSpeed
 # asks for ``zero_allow_untested_optimizer`` for all but Adam(W)/Adagrad; for
-# these we set it, for anything else (LARS, LAMB, Shampoo...) the user decides.
+# these we set it, for LARS and LAMB too (engine/norm_optimizers.py steps them per
+# parameter), shape-reading ones are refused, for anything else the user decides.
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
     torch.optim.Adadelta, torch.optim.Adamax, torch.optim.RMSprop, torch.optim.NAdam,
@@ -93,7 +95,8 @@ class EngineSpec:
         On a copy of the resolved config: ZeRO-0 for an evaluation engine asked for
         ZeRO-1/2 (they partition optimizer states and gradients only, and DeepSpeed
         refuses them without an optimizer; the weights are the same at stage 0);
-        ``zero_allow_untested_optimizer`` for an element-wise torch optimizer; a
+        ``zero_allow_untested_optimizer`` for an element-wise torch optimizer and for
+        the norm-reading ones stepped per parameter (``engine/norm_optimizers.py``); a
         universal checkpoint's load (``universal``, training engines); the settings that
         depend on the module (``config/model_settings.py``).
 
@@ -111,7 +114,7 @@ class EngineSpec:
         ds = copy.deepcopy(self.ds_config)
         if self.optimizer is None and zero_stage(ds) in (1, 2):
             ds['zero_optimization']['stage'] = 0
-        if isinstance(self.optimizer, ELEMENTWISE_OPTIMIZERS):
+        if isinstance(self.optimizer, ELEMENTWISE_OPTIMIZERS) or norm_math(self.optimizer):
             ds.setdefault('zero_allow_untested_optimizer', True)
         if universal and self.optimizer is not None:
             ds.setdefault('checkpoint', {})['load_universal'] = True

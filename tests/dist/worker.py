@@ -32,6 +32,7 @@ from mmengine.hooks import Hook
 from mmengine.registry import HOOKS, RUNNERS
 
 import mmengine_deepspeed  # noqa: F401
+import tests.norm_reference  # registers RefLARS, RefLamb
 import tests.toy_teacher  # noqa: F401  registers ToyTeacherModel
 from mmengine_deepspeed.checkpoint.layout import MARKER_FILE
 from mmengine_deepspeed.dist import init_distributed
