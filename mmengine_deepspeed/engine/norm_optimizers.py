@@ -146,8 +146,9 @@ def zero12_slices(flat: torch.Tensor, members: list[nn.Parameter], group: int, r
     slices, offset = [], 0
     for param in members:
         lo, hi = max(offset, first), min(offset + param.numel(), last)
-        slices.append(Slice(group, flat.untyped_storage().data_ptr(), base + max(lo - first, 0),
-                            max(hi - lo, 0), param is members[0]))
+        slices.append(Slice(group, flat.untyped_storage().data_ptr(),
+                            base + min(max(lo - first, 0), size), max(hi - lo, 0),
+                            param is members[0]))
         offset += param.numel()
     return slices
 
@@ -266,11 +267,12 @@ class PartitionedNormStep:
                  for item in self._slices(flat)]
         if not items:
             return
-        weight_sq = [c.weight().pow(2).sum() for c in items]
-        grad_sq = [c.grad().pow(2).sum() for c in items]
-        sums = torch.stack(weight_sq + grad_sq).double()
+        # each slice's norm as torch.norm takes it, squared in float64 (exactly): a
+        # parameter that lies in one rank's partition gets the whole tensor's norm to the bit
+        norms_here = [torch.linalg.vector_norm(t) for c in items for t in (c.weight(), c.grad())]
+        sums = torch.stack(norms_here).double().pow(2).view(-1, 2).t().contiguous()
         dist.all_reduce(sums)
-        weight_norm, grad_norm = sums.view(2, -1).sqrt().unbind(0)
+        weight_norm, grad_norm = sums.sqrt().unbind(0)
         norms = dict(weight=weight_norm, grad=grad_norm)
         self.math.reduce_more(self, items, norms)
         fresh = {id(c.flat): not self.optimizer.state.get(c.flat) for c in items}
@@ -362,8 +364,8 @@ class _Lamb:
                        call.state('exp_avg_sq', owner.optimizer).clone())
             update = _Lamb._update(call.group, moments, call.weight(),
                                    call.grad() / norms['clip'])
-            update_sq.append(update.pow(2).sum())
-        sums = torch.stack(update_sq).double()
+            update_sq.append(torch.linalg.vector_norm(update))
+        sums = torch.stack(update_sq).double().pow(2)
         dist.all_reduce(sums)
         weight, update_norm = norms['weight'], sums.sqrt()
         ones = torch.ones_like(weight)
