@@ -137,6 +137,39 @@ train_dataloader = dict(batch_size=4, num_workers=0, persistent_workers=False,
 train_cfg = dict(max_epochs=2)
 default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=1, max_keep_ckpts=1))
 ''', None),
+    # MMPretrain: MoCo v3, the same pattern as BYOL (a CosineEMA momentum encoder updated in
+    # its loss, LARS) with a contrastive loss over the ranks' gathered keys. OptimWrapper
+    # for its AmpOptimWrapper (fp16 autocast needs CUDA); as BYOL otherwise.
+    'mocov3': ('mmpretrain', "_base_ = 'mmpretrain::mocov3/"
+               "mocov3_resnet50_8xb512-amp-coslr-100e_in1k.py'" + THREE_LINES + '''
+data_root = '{root}'
+model = dict(
+    backbone=dict(depth=18, norm_cfg=dict(type='BN')),
+    neck=dict(in_channels=512, hid_channels=128, out_channels=64),
+    head=dict(predictor=dict(in_channels=64, hid_channels=128, out_channels=64)))
+optim_wrapper = dict(type='OptimWrapper', _delete_=True,
+                     optimizer=dict(type='LARS', lr=9.6, weight_decay=1e-6, momentum=0.9),
+                     paramwise_cfg=dict(custom_keys={
+                         'bn': dict(decay_mult=0, lars_exclude=True),
+                         'bias': dict(decay_mult=0, lars_exclude=True),
+                         'downsample.1': dict(decay_mult=0, lars_exclude=True)}))
+view_pipeline = [
+    dict(type='RandomResizedCrop', scale=32, interpolation='bicubic', backend='pillow'),
+    dict(type='RandomFlip', prob=0.5),
+    dict(type='RandomGrayscale', prob=0.2, keep_channels=True,
+         channel_weights=(0.114, 0.587, 0.2989)),
+]
+train_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='MultiView', num_views=[1, 1], transforms=[view_pipeline, view_pipeline]),
+    dict(type='PackInputs'),
+]
+train_dataloader = dict(batch_size=4, num_workers=0, persistent_workers=False,
+                        collate_fn=dict(_delete_=True, type='default_collate'), dataset=dict(
+    _delete_=True, type='CustomDataset', data_root=data_root, pipeline=train_pipeline))
+train_cfg = dict(max_epochs=2)
+default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=1, max_keep_ckpts=1))
+''', None),
     # MMagic: DCGAN (a generator and a discriminator: one engine each), through MMagic's
     # tools/train.py, which calls Runner.from_cfg(cfg) whatever runner_type says. No
     # validation: its metrics (MS-SSIM, SWD) sample 10,000 images.

@@ -1,9 +1,10 @@
 """Real OpenMMLab configs train through their own ``tools/train.py`` with the three lines.
 
 MMDetection (RetinaNet, Faster R-CNN), MMSegmentation (SegFormer), MMPretrain
-(ResNet; BYOL: an EMA target network updated in its loss, MMPretrain's LARS) and MMagic (DCGAN: two engines; its ``tools/train.py`` calls ``Runner.from_cfg``)
-configs, each the library's own config plus the three lines and small generated
-data (``configs.py``), on 2 CPU ranks at every ZeRO stage (0-3): the library's unchanged
+(ResNet; BYOL and MoCo v3: an EMA network updated in their loss, MMPretrain's LARS) and
+MMagic (DCGAN: two engines; its ``tools/train.py`` calls ``Runner.from_cfg``) configs,
+each the library's own config plus the three lines and small generated data
+(``configs.py``), on 2 CPU ranks at every ZeRO stage (0-3): the library's unchanged
 ``tools/train.py`` under torchrun trains, validates with the library's metric and
 exits 0, and its log gives the plan's prediction. Under ZeRO-3 the model is built
 partitioned (``deepspeed.zero.Init``), anchors and drop-path rates included, and
