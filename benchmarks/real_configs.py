@@ -1,7 +1,8 @@
 """What a user pays on real OpenMMLab configs: each ZeRO stage against ZeRO-0, deterministic or not.
 
 The real-client tier's configs (``tests/openmmlab/configs.py``: MMPretrain ResNet-18,
-MMDetection RetinaNet and Faster R-CNN, MMSegmentation SegFormer, MMagic DCGAN; each the
+MMDetection RetinaNet and Faster R-CNN, MMSegmentation SegFormer, MMagic DCGAN; MMPretrain
+BYOL and MoCo v3 with ``--configs byol,mocov3``; each the
 library's own config plus the three lines), on the tier's generated data made larger, through the
 library's own ``tools/train.py`` on 2 CPU ranks, fp32, seed 0, at ZeRO 0-3, with
 MMEngine's ``randomness.deterministic`` on and off. Beside ours at ZeRO-1/2, the same run
@@ -43,7 +44,8 @@ DATA = {'mmdet': lambda root, n: data.coco_detection(root, train=n, val=2),
         'mmpretrain': lambda root, n: data.image_folders(root, per_class=-(-n // 3)),
         'mmagic': lambda root, n: data.image_folders(root, per_class=-(-n // 3))}
 # Samples per rank per iteration (the issue's ResNet figures: batch 8).
-BATCH = {'resnet_cifar': 8, 'retinanet': 2, 'faster_rcnn': 2, 'segformer': 2, 'dcgan': 2}
+BATCH = {'resnet_cifar': 8, 'retinanet': 2, 'faster_rcnn': 2, 'segformer': 2, 'dcgan': 2,
+         'byol': 8, 'mocov3': 8}
 
 
 def train_script(library: str) -> str:

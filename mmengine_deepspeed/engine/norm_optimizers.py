@@ -2,21 +2,21 @@
 
 LARS scales each parameter's step by its weight norm over its gradient norm; LAMB
 clips all gradients by their global norm and scales each parameter's update by its
-weight norm over the update's norm. ZeRO-1/2/3 hand the optimizer this rank's flat
-partition of each parameter group (ZeRO-3: of each sub-group, one ``step()`` call
-each), so a norm taken there covers a slice of several parameters, or part of one:
-the numbers silently differ from ZeRO-0's.
+weight norm over the update's norm. ZeRO-1/2/3 (and DeepSpeed's bf16 optimizer at
+ZeRO-0) hand the optimizer this rank's flat partition of each param group, one
+``step()`` call per group (ZeRO-3: per sub-group), so a norm taken there covers a slice
+of several parameters, or part of one: the numbers silently differ from ZeRO-0's.
 
 For a known optimizer (:data:`NORM_MATH`) the user's instance stays what DeepSpeed
 steps (its class, param groups and state names, so checkpoints and resharding see
 what they expect), and its ``step`` is replaced by one that knows where each
-parameter lies in the partitions (:class:`Slice`). At the first ``step()`` call of
-an optimizer step it sums this rank's squared weights and gradients per parameter,
-all-reduces them once (LAMB once more for its updates' norms, computed from the new
-moments without keeping them), and every call then applies the optimizer's own
-formulas to each parameter's slice with the whole parameter's norms. Element-wise
-parts (moments, momentum, weight decay) are computed on the slices as they would be
-on whole tensors, so the result is ZeRO-0's up to the order of the norms' sums.
+parameter lies in the partitions (:class:`Slice`). Each call holds whole parameters
+(spread over the ranks): it all-reduces their squared norms once (LAMB once more for
+its updates' norms, computed from a copy of the moments), then applies the
+optimizer's formulas to each parameter's slice with the whole parameter's norms. LAMB's
+clip by the norm of all gradients reads DeepSpeed's (``compat.clipped_global_grad_norm``).
+Element-wise parts (moments, momentum, weight decay) are computed on the slices as on
+whole tensors, so the result is ZeRO-0's up to the order of the norms' sums.
 """
 from __future__ import annotations
 
