@@ -17,6 +17,7 @@ import os.path as osp
 import time
 from typing import Any, Optional
 
+import deepspeed
 import torch
 import torch.distributed as dist
 from mmengine.config import Config
@@ -110,7 +111,9 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     result['skipped'] = _history(scalars, 'train/skipped_steps')
     result['skipped_by'] = {key: _history(scalars, f'train/{key}.skipped_steps')
                             for key in ('generator', 'discriminator')}
-    result['state'] = model_state(runner.model.module)
+    module = runner.model.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):  # ZeRO-3: whole
+        result['state'] = model_state(module)
     result['log'] = ''
     log_file = getattr(runner.logger.handlers[-1], 'baseFilename', None)
     if dist.get_rank() == 0 and log_file:
