@@ -1,4 +1,4 @@
-"""compat.py: the supported versions and the private names we rely on are checked at import."""
+"""compat/: the supported versions and the private names we rely on are checked at import."""
 from __future__ import annotations
 
 import copy
