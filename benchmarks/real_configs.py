@@ -66,7 +66,8 @@ def run(name: str, root: str, work: str, stage: int, deterministic: bool, defaul
     batch = BATCH[name]
     options = [f'ds_config.zero_optimization.stage={stage}', 'randomness.seed=0',
                f'randomness.deterministic={deterministic}',
-               f'train_dataloader.batch_size={batch}', 'train_cfg.val_interval=1000',
+               f'train_dataloader.batch_size={batch}', 'train_dataloader.drop_last=True',
+               'train_cfg.val_interval=1000',
                'default_hooks.checkpoint.interval=1000', 'default_hooks.logger.interval=1']
     options.append('train_cfg.max_epochs=1' if 'max_epochs' in text else
                    f'train_cfg.max_iters={iters}')

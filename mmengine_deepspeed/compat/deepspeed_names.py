@@ -62,6 +62,28 @@ def release_module_params(engine: Any, module: nn.Module) -> None:
             pending.extend(current.children())
 
 
+def gather_whole(params: list[nn.Parameter]) -> None:
+    """Make released ZeRO-3 parameters whole on every rank (one collective gather).
+
+    ``GatheredParameters`` pairs this with a re-partition that either drops what the
+    block wrote or broadcasts one rank's values; a block that every rank computes
+    alike (an averaged model's update from whole inputs) needs neither, so it uses
+    DeepSpeed's own per-parameter ``all_gather`` / ``partition`` (what
+    ``GatheredParameters`` calls). Pinned by tests/dist/test_in_step.py.
+    """
+    if params:
+        params[0].all_gather(param_list=params)  # type: ignore[attr-defined]
+
+
+def keep_local_slices(params: list[nn.Parameter]) -> None:
+    """Re-partition whole ZeRO-3 parameters that every rank updated alike: each rank
+    keeps its own slice of its values (``partition(has_been_updated=True)``; no
+    collective). See :func:`gather_whole`."""
+    if params:
+        params[0].partition(param_list=params,  # type: ignore[attr-defined]
+                            has_been_updated=True)
+
+
 def clipped_global_grad_norm(engine: Any) -> torch.Tensor:
     """The norm of all gradients of the step being taken, after DeepSpeed's clipping.
 

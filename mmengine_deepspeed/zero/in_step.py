@@ -10,9 +10,9 @@ does nothing (the first call's copy) or fails on shapes later.
 Inside a ZeRO-3 training engine, each averaged model's ``update_parameters``
 runs on whole tensors instead: the source's and the average's parameters are
 released (waiting for any prefetch in flight), gathered, updated by the
-model's own ``update_parameters``, and the average re-partitioned from rank
-0's values, which every rank computed alike. Per update that is one gather of
-the source and of the average and one broadcast of the average, and both
+model's own ``update_parameters``, and the average re-partitioned, each rank
+keeping its own slice of the values every rank computed alike (no broadcast).
+Per update that is one gather of the source and one of the average, and both
 copies whole for its duration (``plan`` counts them); models without an
 averaged model gather nothing.
 """
@@ -25,7 +25,7 @@ from typing import Any
 from mmengine.model import BaseAveragedModel
 from torch import nn
 
-from ..compat import release_module_params
+from ..compat import gather_whole, is_zero3_param, keep_local_slices, release_module_params
 from .gather import gathered_params
 
 # The engine each wrapped averaged model belongs to; a deep copy of the model
@@ -65,6 +65,10 @@ def _update_whole(averaged: BaseAveragedModel, model: nn.Module) -> None:
         return
     for module in (model, averaged):
         release_module_params(engine, module)
-    with gathered_params(list(model.parameters())), \
-            gathered_params(list(averaged.parameters()), modify=True):
-        update(averaged, model)
+    params = [p for p in averaged.parameters() if is_zero3_param(p)]
+    with gathered_params(list(model.parameters())):
+        gather_whole(params)
+        try:
+            update(averaged, model)
+        finally:  # every rank updated alike from the same whole values: no broadcast
+            keep_local_slices(params)
