@@ -226,11 +226,13 @@ class PartitionedNormStep:
         # resume replaces the dicts (torch's load_state_dict): a partition's group is
         # found from the partition, its settings read from the dict of the call
         self.group_dicts = list(optimizer.param_groups)
-        self.group_of: dict[int, int] = {}
         self.params = [[p for p in g['params'] if p.requires_grad]
                        for g in optimizer.param_groups]
         self.whole: Optional[bool] = None  # fp32/fp16 ZeRO-0 step whole parameters
         self.layout: dict[int, list[Slice]] = {}  # by partition (its storage's address)
+        # per-slice settings on the device, made once per distinct values (no copy to the
+        # device in a steady step)
+        self.settings: dict[tuple, torch.Tensor] = {}
 
     def install(self) -> None:
         """Make this the optimizer's ``step`` (an instance attribute: the class keeps its own)."""
@@ -281,10 +283,13 @@ class PartitionedNormStep:
                 self.math.apply(self, call, norms, index, fresh[id(call.flat)])
 
 
-def _setting(items: list[Call], key: str, default: Any, device: torch.device) -> torch.Tensor:
+def _setting(owner: PartitionedNormStep, items: list[Call], key: str, default: Any,
+             device: torch.device) -> torch.Tensor:
     """A param-group setting with one value per slice of the call."""
-    return torch.tensor([float(c.group.get(key, default)) for c in items],
-                        dtype=torch.float64, device=device)
+    values = tuple(float(c.group.get(key, default)) for c in items)
+    if values not in owner.settings:
+        owner.settings[values] = torch.tensor(values, dtype=torch.float64, device=device)
+    return owner.settings[values]
 
 
 class _Lars:
@@ -296,7 +301,7 @@ class _Lars:
     def reduce_more(owner: PartitionedNormStep, items: list[Call],
                     norms: dict[str, torch.Tensor]) -> None:
         weight, grad = norms['weight'], norms['grad']
-        eta, decay, exclude = (_setting(items, key, default, weight.device)
+        eta, decay, exclude = (_setting(owner, items, key, default, weight.device)
                                for key, default in (('eta', 0.001), ('weight_decay', 0.0),
                                                     ('lars_exclude', False)))
         local = eta * weight / (grad + decay * weight + getattr(owner.optimizer, 'eps', 1e-8))
@@ -371,7 +376,7 @@ class _Lamb:
         ones = torch.ones_like(weight)
         ratio = torch.where(weight > 0,
                             torch.where(update_norm > 0, weight / update_norm, ones), ones)
-        trust_clip, decay, always = (_setting(items, key, default, weight.device)
+        trust_clip, decay, always = (_setting(owner, items, key, default, weight.device)
                                      for key, default in (('trust_clip', False),
                                                           ('weight_decay', 0.0),
                                                           ('always_adapt', False)))

@@ -138,8 +138,9 @@ def runners_weights(tmp_path_factory: pytest.TempPathFactory,
     return weights
 
 
-# BYOL at ZeRO-2 too: MMPretrain's LARS on one param group per parameter
-PARITY = [(name, stage) for name in sorted(CONFIGS) for stage in (0, 3)] + [('byol', 2)]
+# BYOL and MoCo v3 at ZeRO-2 too: MMPretrain's LARS on one param group per parameter
+PARITY = [(name, stage) for name in sorted(CONFIGS) for stage in (0, 3)] + [
+    ('byol', 2), ('mocov3', 2)]
 
 
 @pytest.mark.parametrize('name, stage', PARITY)
@@ -162,11 +163,13 @@ def test_config_gives_runners_parameters(tmp_path: Any, roots: dict[str, str],
     assert diffs[worst] <= 1e-6, (worst, diffs[worst])
 
 
-def test_byol_resumes_exactly_at_zero3(tmp_path: Any, roots: dict[str, str]) -> None:
-    """One process: stopped after epoch 1 and resumed (MMPretrain's ``--resume``), BYOL ends
-    with the straight run's parameters bit for bit, its target network and LARS's momentum
-    included (both in the checkpoint)."""
-    config = write_config(str(tmp_path), roots, 'byol')
+@pytest.mark.parametrize('name', ['byol', 'mocov3'])
+def test_self_supervised_configs_resume_exactly_at_zero3(tmp_path: Any, roots: dict[str, str],
+                                                         name: str) -> None:
+    """One process: stopped after epoch 1 and resumed (MMPretrain's ``--resume``), BYOL and
+    MoCo v3 end with the straight run's parameters bit for bit, the network their loss
+    updates and LARS's momentum included (both in the checkpoint)."""
+    config = write_config(str(tmp_path), roots, name)
     options = ['--cfg-options', 'randomness.seed=0', 'ds_config.zero_optimization.stage=3',
                'default_hooks.checkpoint.max_keep_ckpts=2']
     straight, resumed = osp.join(str(tmp_path), 'straight'), osp.join(str(tmp_path), 'resumed')
@@ -184,7 +187,8 @@ def test_byol_resumes_exactly_at_zero3(tmp_path: Any, roots: dict[str, str]) -> 
         assert proc.returncode == 0, proc.stdout[-4000:]
         state = torch.load(exported, map_location='cpu', weights_only=False)
         weights.append(state.get('state_dict', state))
-    assert any(key.startswith('target_net.') for key in weights[0])
+    averaged = {'byol': 'target_net.', 'mocov3': 'momentum_encoder.'}[name]
+    assert any(key.startswith(averaged) for key in weights[0])
     assert sorted(weights[0]) == sorted(weights[1])
     for key, value in weights[0].items():
         assert torch.equal(weights[1][key], value), key
