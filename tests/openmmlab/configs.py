@@ -42,6 +42,36 @@ train_cfg = dict(max_epochs=2, val_interval=2)
 default_hooks = dict(logger=dict(interval=1))
 '''
 
+
+# MMPretrain's self-supervised configs as a CPU user shrinks them: ResNet-18 and smaller
+# projection widths, BatchNorm for SyncBN, 32-pixel views of the library's own augmentations
+# ({jitter}: BYOL's colour jitter, without hue: mmcv 2.1's adjust_hue overflows a uint8 on
+# NumPy 2), and collate_fn named again (a base config read as 'mmpretrain::' gives it a
+# _scope_ key that default_collate refuses, MMEngine 0.10.7).
+SELF_SUPERVISED = '''
+data_root = '{root}'
+model = dict(
+    backbone=dict(depth=18, norm_cfg=dict(type='BN')),
+    neck=dict(in_channels=512, hid_channels=128, out_channels=64),
+    head=dict(predictor=dict(in_channels=64, hid_channels=128, out_channels=64)))
+view_pipeline = [
+    dict(type='RandomResizedCrop', scale=32, interpolation='bicubic', backend='pillow'),
+    dict(type='RandomFlip', prob=0.5),{jitter}
+    dict(type='RandomGrayscale', prob=0.2, keep_channels=True,
+         channel_weights=(0.114, 0.587, 0.2989)),
+]
+train_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='MultiView', num_views=[1, 1], transforms=[view_pipeline, view_pipeline]),
+    dict(type='PackInputs'),
+]
+train_dataloader = dict(batch_size=4, num_workers=0, persistent_workers=False,
+                        collate_fn=dict(_delete_=True, type='default_collate'), dataset=dict(
+    _delete_=True, type='CustomDataset', data_root=data_root, pipeline=train_pipeline))
+train_cfg = dict(max_epochs=2)
+default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=1, max_keep_ckpts=1))
+'''
+
 CONFIGS = {
     # MMDetection, one-stage: RetinaNet R-18 FPN (anchors built with torch.Tensor(numpy))
     'retinanet': ('mmdet', "_base_ = 'mmdet::retinanet/retinanet_r18_fpn_1xb8-1x_coco.py'"
@@ -104,72 +134,24 @@ train_cfg = dict(max_epochs=2, val_interval=2)
 default_hooks = dict(logger=dict(interval=1))
 ''', 'accuracy/top1'),
     # MMPretrain: BYOL, self-supervised: its loss updates an EMA target network (CosineEMA)
-    # in the step, and it steps MMPretrain's LARS, one param group per parameter. ResNet-18
-    # and smaller projection widths, BatchNorm for SyncBN (a CPU), 32-pixel views of the
-    # library's own augmentations (no hue jitter: mmcv 2.1's adjust_hue overflows a uint8 on
-    # NumPy 2).
+    # in the step, and it steps MMPretrain's LARS, one param group per parameter.
     'byol': ('mmpretrain', "_base_ = 'mmpretrain::byol/byol_resnet50_16xb256-coslr-200e_in1k.py'"
-             + THREE_LINES + '''
-data_root = '{root}'
-model = dict(
-    backbone=dict(depth=18, norm_cfg=dict(type='BN')),
-    neck=dict(in_channels=512, hid_channels=128, out_channels=64),
-    head=dict(predictor=dict(in_channels=64, hid_channels=128, out_channels=64)))
-view_pipeline1 = [
-    dict(type='RandomResizedCrop', scale=32, interpolation='bicubic', backend='pillow'),
-    dict(type='RandomFlip', prob=0.5),
+             + THREE_LINES + SELF_SUPERVISED.replace('{jitter}', '''
     dict(type='RandomApply', prob=0.8, transforms=[dict(
-        type='ColorJitter', brightness=0.4, contrast=0.4, saturation=0.2, hue=0.0)]),
-    dict(type='RandomGrayscale', prob=0.2, keep_channels=True,
-         channel_weights=(0.114, 0.587, 0.2989)),
-]
-view_pipeline2 = view_pipeline1
-train_pipeline = [
-    dict(type='LoadImageFromFile'),
-    dict(type='MultiView', num_views=[1, 1], transforms=[view_pipeline1, view_pipeline2]),
-    dict(type='PackInputs'),
-]
-# a base config read as 'mmpretrain::' gives collate_fn a _scope_ key that default_collate
-# refuses (MMEngine 0.10.7): the same function, named again
-train_dataloader = dict(batch_size=4, num_workers=0, persistent_workers=False,
-                        collate_fn=dict(_delete_=True, type='default_collate'), dataset=dict(
-    _delete_=True, type='CustomDataset', data_root=data_root, pipeline=train_pipeline))
-train_cfg = dict(max_epochs=2)
-default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=1, max_keep_ckpts=1))
-''', None),
+        type='ColorJitter', brightness=0.4, contrast=0.4, saturation=0.2, hue=0.0)]),'''),
+             None),
     # MMPretrain: MoCo v3, the same pattern as BYOL (a CosineEMA momentum encoder updated in
     # its loss, LARS) with a contrastive loss over the ranks' gathered keys. OptimWrapper
-    # for its AmpOptimWrapper (fp16 autocast needs CUDA); as BYOL otherwise.
+    # for its AmpOptimWrapper (fp16 autocast needs CUDA).
     'mocov3': ('mmpretrain', "_base_ = 'mmpretrain::mocov3/"
                "mocov3_resnet50_8xb512-amp-coslr-100e_in1k.py'" + THREE_LINES + '''
-data_root = '{root}'
-model = dict(
-    backbone=dict(depth=18, norm_cfg=dict(type='BN')),
-    neck=dict(in_channels=512, hid_channels=128, out_channels=64),
-    head=dict(predictor=dict(in_channels=64, hid_channels=128, out_channels=64)))
 optim_wrapper = dict(type='OptimWrapper', _delete_=True,
                      optimizer=dict(type='LARS', lr=9.6, weight_decay=1e-6, momentum=0.9),
                      paramwise_cfg=dict(custom_keys={
                          'bn': dict(decay_mult=0, lars_exclude=True),
                          'bias': dict(decay_mult=0, lars_exclude=True),
-                         'downsample.1': dict(decay_mult=0, lars_exclude=True)}))
-view_pipeline = [
-    dict(type='RandomResizedCrop', scale=32, interpolation='bicubic', backend='pillow'),
-    dict(type='RandomFlip', prob=0.5),
-    dict(type='RandomGrayscale', prob=0.2, keep_channels=True,
-         channel_weights=(0.114, 0.587, 0.2989)),
-]
-train_pipeline = [
-    dict(type='LoadImageFromFile'),
-    dict(type='MultiView', num_views=[1, 1], transforms=[view_pipeline, view_pipeline]),
-    dict(type='PackInputs'),
-]
-train_dataloader = dict(batch_size=4, num_workers=0, persistent_workers=False,
-                        collate_fn=dict(_delete_=True, type='default_collate'), dataset=dict(
-    _delete_=True, type='CustomDataset', data_root=data_root, pipeline=train_pipeline))
-train_cfg = dict(max_epochs=2)
-default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=1, max_keep_ckpts=1))
-''', None),
+                         'downsample.1': dict(decay_mult=0, lars_exclude=True)}))'''
+               + SELF_SUPERVISED.replace('{jitter}', ''), None),
     # MMagic: DCGAN (a generator and a discriminator: one engine each), through MMagic's
     # tools/train.py, which calls Runner.from_cfg(cfg) whatever runner_type says. No
     # validation: its metrics (MS-SSIM, SWD) sample 10,000 images.
