@@ -7,9 +7,12 @@ saves for backward is counted by its storage's size, none is allocated; the
 optim wrappers are stand-ins that count each forward up to its backward.
 Modules the config lists under ``activation_checkpointing`` are checkpointed
 as training checkpoints them (only their inputs are saved).
-A model whose forward needs values (``.item()``, data-dependent shapes) cannot
-run on the meta device; then the model is built for real in this process and
-the same count is taken from a real training step (a one-process probe).
+Integer step counters (``BaseAveragedModel.steps``) are real zeros, as at a
+run's first iteration. A step whose shapes or branches depend on values
+(MMDetection's assigners call ``.item()``, MMSegmentation's losses
+``torch.nonzero``) cannot run on the meta device: it is measured instead, the
+model built for real in this process and one real training step taken on the
+CPU at a small micro-batch (:data:`PROBE_SAMPLES`), scaled to the run's.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from typing_extensions import override
 
 from ..compat import TO_COPY, TorchDispatchMode
 from ..engine.spec import SINGLE_ENGINE
+from ..zero.partitioned import model_frame
 from .census import construction_note, on_meta, streams_kept
 from .saved import SavedTensorCounter
 from .transients import BroadcastOperands, copies_broadcast
@@ -46,9 +50,10 @@ class Activations:
         other_bytes (int): Bytes of integer and boolean tensors (indices, masks).
         float_size (int): Element size the floating tensors were traced in.
         micro_batch (int): Samples in the traced batch.
-        method (str): ``'traced'`` (meta device), ``'probe'`` (a real forward in
+        method (str): ``'traced'`` (meta device), ``'probe'`` (a real step in
             ``plan``) or ``'measured'`` (a training run's first step).
-        note (str, optional): Why tracing failed, for a probe.
+        note (str, optional): For a probe, what in the model's code needs values
+            (the meta device has none), or why the model was built for real.
         broadcast (int): Elements of the largest operand a batched matmul of the step
             reads broadcast (:class:`~.transients.BroadcastOperands`), which the CPU's
             bf16 matmuls through oneDNN copy whole for the call.
@@ -151,11 +156,14 @@ def _at_first_iteration() -> Iterator[None]:
             hub.pop_info('iter')
 
 
-def one_batch(cfg: Config) -> Any:
-    """One batch of the config's train dataloader, as the loop hands it to ``train_step``."""
+def one_batch(cfg: Config, samples: Optional[int] = None) -> Any:
+    """One batch of the config's train dataloader, as the loop hands it to ``train_step``;
+    ``samples``: of that many samples instead of the config's ``batch_size``."""
     loader_cfg = copy.deepcopy(cfg.get('train_dataloader'))
     if not isinstance(loader_cfg, dict):
         raise ValueError('plan needs the config\'s train_dataloader (one batch is traced).')
+    if samples is not None:
+        loader_cfg['batch_size'] = samples
     loader_cfg['num_workers'] = 0
     loader_cfg.pop('persistent_workers', None)
     return next(iter(Runner.build_dataloader(loader_cfg, seed=0)))
@@ -197,6 +205,17 @@ class _KeptOnMeta(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _counters_at_zero(model: nn.Module) -> None:
+    """Each integer 0-dim buffer on the meta device (a step counter: MMEngine's
+    ``BaseAveragedModel.steps``, BatchNorm's ``num_batches_tracked``) made a real zero on
+    the CPU, as at a run's first iteration: a step that branches on it
+    (``if self.steps == 0``, BYOL's target update) traces instead of reading a meta value."""
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_meta and buffer.dim() == 0 and not buffer.is_floating_point():
+                setattr(module, name, torch.zeros((), dtype=buffer.dtype))
+
+
 def _count(model: nn.Module, batch: Any, checkpointed: list[str],
            engines: list[str]) -> tuple[int, int, int]:
     """(float bytes, other bytes) one ``train_step`` saves for backward at most at once,
@@ -204,6 +223,7 @@ def _count(model: nn.Module, batch: Any, checkpointed: list[str],
     if checkpointed:
         turn_on_activation_checkpointing(model, checkpointed)
     model.train()
+    _counters_at_zero(model)
     counter = SavedTensorCounter(model)
     stand_in = _StandIn(counter)
     wrapper: Any = stand_in if engines == [SINGLE_ENGINE] else {name: stand_in for name in engines}
@@ -215,6 +235,31 @@ def _count(model: nn.Module, batch: Any, checkpointed: list[str],
         model.train_step(batch, wrapper)  # type: ignore[operator]  # a BaseModel
     return (*counter.peak, broadcast.largest)
 
+
+
+# Samples in a probe's real step: two, not one, so that BatchNorm after pooling (a
+# projection neck's BatchNorm1d) still has more than one value per channel
+PROBE_SAMPLES = 2
+
+
+def _needs(error: Exception) -> str:
+    """What a step that cannot run on the meta device needs there, and where."""
+    text = str(error)
+    need = ('reads a tensor\'s value' if 'item()' in text else
+            'has shapes that depend on values' if 'nonzero' in text else
+            f'needs values ({type(error).__name__})')
+    return f'its step {need} at {model_frame(error)}'
+
+
+def _probe(cfg: Config, model: nn.Module, micro_batch: int, checkpointed: list[str],
+           engines: list[str], float_size: int, why: str) -> Activations:
+    """One real training step of ``model`` (built for real) at :data:`PROBE_SAMPLES`
+    samples, or the run's micro-batch where that is smaller: :meth:`Activations.bytes_at`
+    scales it. Images padded to the largest of a batch make a larger batch save slightly
+    more per sample."""
+    samples = min(micro_batch, PROBE_SAMPLES)
+    floats, others, broadcast = _count(model, one_batch(cfg, samples), checkpointed, engines)
+    return Activations(floats, others, float_size, samples, 'probe', why, broadcast)
 
 
 def trace_activations(cfg: Config, model: nn.Module, batch: Any, micro_batch: int,
@@ -229,7 +274,7 @@ def trace_activations(cfg: Config, model: nn.Module, batch: Any, micro_batch: in
         batch (Any): :func:`one_batch`.
         micro_batch (int): Samples in ``batch``.
         engines (list[str]): The engines' names (the optim wrappers ``train_step`` gets).
-        probe (bool): Where tracing fails, measure one real step (else raise).
+        probe (bool): Where tracing cannot run, measure one real step (else raise).
     """
     checkpointed = cfg.get('activation_checkpointing') or []
     checkpointed = [checkpointed] if isinstance(checkpointed, str) else list(checkpointed)
@@ -237,10 +282,8 @@ def trace_activations(cfg: Config, model: nn.Module, batch: Any, micro_batch: in
     if not on_meta(model):  # its construction needed values: built for real already
         if not probe:
             raise RuntimeError(construction_note(model) or 'the model is not on the meta device')
-        floats, others, broadcast = _count(model, batch, checkpointed, engines)
-        return Activations(floats, others, float_size, micro_batch, 'probe',
-                           f'{construction_note(model)}; measured with one real training '
-                           'step', broadcast)
+        return _probe(cfg, model, micro_batch, checkpointed, engines, float_size,
+                      construction_note(model) or 'the model was built for real')
     preprocessor_cfg = cfg.model.get('data_preprocessor')
     if preprocessor_cfg is not None:
         model.data_preprocessor = _OnMeta(MODELS.build(preprocessor_cfg))
@@ -252,9 +295,6 @@ def trace_activations(cfg: Config, model: nn.Module, batch: Any, micro_batch: in
     except Exception as e:  # any forward may need values the meta device lacks
         if not probe:
             raise
-        note = f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'.strip(': ')
-    real = MODELS.build(cfg.model)
-    floats, others, broadcast = _count(real, batch, checkpointed, engines)
-    return Activations(floats, others, float_size, micro_batch, 'probe',
-                       f'tracing on the meta device failed ({note}); measured with one real '
-                       'training step in this process instead', broadcast)
+        why = _needs(e)
+    return _probe(cfg, MODELS.build(cfg.model), micro_batch, checkpointed, engines,
+                  float_size, why)

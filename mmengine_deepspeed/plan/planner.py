@@ -26,7 +26,7 @@ from ..dist import cuda_available
 from ..engine.spec import EngineSpecs
 from ..process_memory import rss_mib
 from .activations import Activations, one_batch, trace_activations
-from .census import EngineCensus, census, import_scope, meta_model
+from .census import EngineCensus, census, construction_note, import_scope, meta_model
 from .memory import (
     CPU_RUNTIME_MIB,
     MIB,
@@ -82,6 +82,11 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def micro_batch(self) -> int:
+        """The config's micro-batch per rank (every row's)."""
+        return self.rows[0].micro_batch if self.rows else self.activations.micro_batch
+
+    @property
     def recommended(self) -> Optional[Row]:
         """The fastest row that fits, or None."""
         return next((row for row in self.rows if row.fits), None)
@@ -91,16 +96,17 @@ class Plan:
         recommended = self.recommended
         acts = self.activations
         size = 4 if self.precision == 'fp32' else 2
-        saved = acts.bytes_at(acts.micro_batch, size)
-        transient = acts.transient_at(acts.micro_batch, size, self.platform == 'cuda')
+        saved = acts.bytes_at(self.micro_batch, size)
+        transient = acts.transient_at(self.micro_batch, size, self.platform == 'cuda')
         return dict(nproc=self.nproc, nnodes=self.nnodes, platform=self.platform,
                     precision=self.precision, device_mib=round(self.device_mib, 1),
                     fixed_mib=round(self.fixed_mib, 1),
                     rows=[asdict(row) for row in self.rows],
                     recommended=asdict(recommended) if recommended else None,
-                    activations=dict(method=acts.method, micro_batch=acts.micro_batch,
+                    activations=dict(method=acts.method, micro_batch=self.micro_batch,
                                      mib=round(saved / MIB, 1),
-                                     transient_mib=round(transient / MIB, 1)),
+                                     transient_mib=round(transient / MIB, 1),
+                                     measured_samples=acts.micro_batch, why=acts.note),
                     notes=self.notes)
 
 
@@ -203,8 +209,9 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
     for engine in engines:
         if engine.states_note:
             plan.notes.append(f'{engine.name}: {engine.states_note}')
-    if activations.note:
-        plan.notes.append(activations.note)
+    built_for_real = construction_note(model)  # activations.note says how they were sized
+    if built_for_real:
+        plan.notes.append(built_for_real)
     transient = activations.transient_at(micro_batch, compute_bytes, cuda)
     if transient:
         plan.notes.append(

@@ -68,9 +68,11 @@ def plan_text(plan: Plan) -> str:
             f'{_count(engine.frozen)} frozen; {dtypes}), largest layer '
             f'{_count(engine.largest_layer)}; {engine.optimizer or "no optimizer"} keeps '
             f'{engine.states} state(s) per trained element')
-    how = 'traced on the meta device' if acts.method == 'traced' else 'measured by a probe'
-    lines.append(f'activations: {acts.bytes_at(acts.micro_batch, acts.float_size) / MIB:.1f} '
-                 f'MiB saved for backward at micro-batch {acts.micro_batch} ({how}, '
+    how = ('traced on the meta device' if acts.method == 'traced' else
+           f'measured with one real step of {acts.micro_batch} sample(s) on the CPU and '
+           f'scaled, as {acts.note}')
+    lines.append(f'activations: {acts.bytes_at(plan.micro_batch, acts.float_size) / MIB:.1f} '
+                 f'MiB saved for backward at micro-batch {plan.micro_batch} ({how}; '
                  f'{acts.float_size}-byte floats)')
     if plan.platform == 'cpu':
         lines.append(f'fixed: {plan.fixed_mib:.0f} MiB (this process after imports, before the '

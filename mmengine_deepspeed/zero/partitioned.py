@@ -216,17 +216,19 @@ _NOT_MODEL_CODE = (*(osp.dirname(module.__file__ or '') + osp.sep for module in 
                    osp.dirname(osp.dirname(osp.abspath(__file__))) + osp.sep)
 
 
-def construction_failure(error: BaseException) -> str:
-    """The model code's call an error came from, and the error (one line).
-
-    The innermost frame outside torch, DeepSpeed and this package: the line of the model (or
-    library) that did what ``zero.Init``, the meta device or ``plan`` could not.
-    """
+def model_frame(error: BaseException) -> str:
+    """Where in model code ``error`` came from: the innermost frame outside torch,
+    DeepSpeed and this package, as ``file:line `code```."""
     frames = [f for f in traceback.extract_tb(error.__traceback__)
               if not f.filename.startswith(_NOT_MODEL_CODE)]
-    where = (f'{frames[-1].filename}:{frames[-1].lineno} `{frames[-1].line}`'
-             if frames else 'an unknown call')
-    return f'{where}: {type(error).__name__}: {error}'
+    return (f'{frames[-1].filename}:{frames[-1].lineno} `{frames[-1].line}`'
+            if frames else 'an unknown call')
+
+
+def construction_failure(error: BaseException) -> str:
+    """The model code's call an error came from, and the error (one line): the line of the
+    model (or library) that did what ``zero.Init``, the meta device or ``plan`` could not."""
+    return f'{model_frame(error)}: {type(error).__name__}: {error}'
 
 
 def agreed_everywhere(ok: bool) -> bool:
