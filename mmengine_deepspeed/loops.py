@@ -37,6 +37,7 @@ from .checkpoint.data_order import ResumableSampler, create_iterator, make_resum
 from .checkpoint.state import rng_state
 from .compat import InfiniteDataloaderIterator, diff_rank_seed, set_loop_position
 from .engine.spec import named_wrappers
+from .engine.wrapper import released_guard
 from .hooks.nonfinite import EXCLUDED_KEY, RollBack
 
 
@@ -61,9 +62,22 @@ def resumable_loop(loop: Any) -> Any:
 
 
 class IndexedBatches:
-    """What both loops tell about their batches (``hooks/nonfinite.py`` asks)."""
+    """What both loops tell about their batches (``hooks/nonfinite.py`` asks), and their
+    first iteration run under ZeRO-3's guard (``zero/released_guard.py``)."""
 
     dataloader: DataLoader
+    runner: Any
+    _guarded = False  # this process's first iteration has run
+
+    def run_iter(self, *args: Any) -> None:
+        """MMEngine's ``run_iter``; the first in this process stops code that computes on a
+        released ZeRO-3 parameter (the steps after it pass nothing through the guard)."""
+        if self._guarded:
+            cast(Any, super()).run_iter(*args)
+            return
+        self._guarded = True
+        with released_guard(self.runner.model):
+            cast(Any, super()).run_iter(*args)
 
     @property
     def resumable_sampler(self) -> Optional[ResumableSampler]:

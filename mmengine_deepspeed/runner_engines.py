@@ -32,6 +32,7 @@ from .engine.spec import (
 )
 from .engine.wrapper import overrides
 from .zero.gather import gather_on_use
+from .zero.in_step import hooks_update_on_whole_tensors
 
 
 class EngineMethods(Runner):
@@ -133,6 +134,11 @@ class EngineMethods(Runner):
             find_unused_parameters=self._find_unused_parameters, logger=self.logger,
             before_partitioning=self._before_partitioning,
             universal=self.checkpointer.loads_universal(optimizers.values()))
+        zero3 = [engine for engine in self.engine_specs.engines().values()
+                 if engine.optimizer is not None and engine.zero_optimization_stage() == 3]
+        for hook in hooks_update_on_whole_tensors(self.hooks, zero3):
+            self.logger.info(f'{type(hook).__name__} updates the model on whole tensors under '
+                             'ZeRO-3: each update gathers the model it is given.')
 
     def _before_partitioning(self, specs: EngineSpecs) -> None:
         """What needs the model whole, between the optimizers and ``deepspeed.initialize``."""

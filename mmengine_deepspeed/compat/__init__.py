@@ -65,6 +65,7 @@ from .torch_names import (
     module_hook_dicts,
     onednn_bf16_matmul,
     storage_key,
+    writes_first_operand,
     zero3_module_hooks,
 )
 
@@ -114,6 +115,7 @@ __all__ = [
     'skip_engine_broadcast',
     'storage_key',
     'unsupported_versions',
+    'writes_first_operand',
     'zero3_module_hooks',
 ]
 
@@ -160,6 +162,9 @@ PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
      'subclassed: plan sees the operands of the kernels a traced step calls (torch documents '
      'it in "Extending PyTorch" but exports it from no public module; '
      'tests/unit/test_plan_transients.py)'),
+    ('torch._ops', 'ops.aten.copy_.default', '_schema',
+     'which operand an ATen op writes: the first-iteration guard tells a write to a released '
+     'ZeRO-3 parameter from a read (tests/unit/test_released_guard.py)'),
     ('torch._ops', 'ops.aten', '_to_copy',
      'the op behind Tensor.to(device): plan\'s trace keeps a meta tensor moved to the CPU on '
      'meta (an ATen core-IR op; tests/unit/test_plan_activations.py)'),

@@ -59,6 +59,15 @@ def storage_key(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage()._cdata)
 
 
+def writes_first_operand(func: Any) -> bool:
+    """Whether an ATen op, as a dispatch mode gets it, writes its first argument (in-place
+    ops, ``copy_``): its schema, which torch exposes only as ``OpOverload._schema``. Pinned
+    by tests/unit/test_released_guard.py."""
+    arguments = func._schema.arguments
+    return bool(arguments and arguments[0].alias_info is not None
+                and arguments[0].alias_info.is_write)
+
+
 def onednn_bf16_matmul() -> bool:
     """Whether this CPU's bf16 matmuls go to oneDNN (mkldnn enabled, and torch's own probe
     of the CPU's bf16 support, ``torch.ops.mkldnn._is_mkldnn_bf16_supported``, which torch

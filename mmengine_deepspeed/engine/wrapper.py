@@ -9,6 +9,7 @@ the engine's bookkeeping see every step. Nothing is patched onto the engine.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional, Union
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 from typing_extensions import override
 
 from ..zero.gather import whole_copy
+from ..zero.released_guard import ReleasedGuard
 
 Data = Union[dict, tuple, list]
 
@@ -203,3 +205,17 @@ class DeepSpeedEngineWrapper(nn.Module):
         if self.cast_dtype is not None:
             args, kwargs = cast_floating((args, kwargs), self.cast_dtype)
         return self.__dict__['_forward_target'](*args, **kwargs)
+
+
+def released_guard(model: nn.Module) -> AbstractContextManager:
+    """:class:`~..zero.released_guard.ReleasedGuard` over the user's model, where ``model``
+    (``runner.model``) wraps a ZeRO-3 engine that is not compiled (dynamo does not compile
+    under a dispatch mode: the guard would move compilation to the next iteration); else a
+    block that does nothing. The train loop's first iteration and ``before_train`` run in it.
+    """
+    if isinstance(model, DeepSpeedEngineWrapper):
+        engines = model.engines.values()
+        if any(e.zero_optimization_stage() == 3 for e in engines) and \
+                not any(e.is_compiled for e in engines):
+            return ReleasedGuard(model.module)
+    return nullcontext()

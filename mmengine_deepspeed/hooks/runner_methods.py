@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from ..compat import call_with_hooks
 from ..engine.spec import EngineSpecs
+from ..engine.wrapper import released_guard
 from ..zero.gather import release_all
 from .registration import (
     added_hooks,
@@ -60,13 +61,19 @@ class HookMethods(Runner):
     def call_hook(self, fn_name: str, **kwargs: Any) -> None:
         """MMEngine's ``call_hook`` over the registered hooks and :attr:`added_hooks`,
         in priority order (at equal priority the registered ones first); at the end of
-        a phase (:data:`PHASE_ENDS`) ZeRO-3 engines first give back what they hold whole."""
+        a phase (:data:`PHASE_ENDS`) ZeRO-3 engines first give back what they hold whole;
+        ``before_train``'s hooks run under ZeRO-3's guard against computing on released
+        parameters (``zero/released_guard.py``)."""
         if fn_name in PHASE_ENDS and self.engine_specs.built:
             for engine in self.engine_specs.engines().values():
                 release_all(engine)
         registered = tuple(self.hooks)
         if self._hook_order is None or registered != self._hook_order[0]:
             self._hook_order = (registered, in_priority_order(self.hooks, self.added_hooks))
+        if fn_name == 'before_train':  # hooks that set weights up (a teacher copied whole)
+            with released_guard(self.model):
+                call_with_hooks(self, self._hook_order[1], super().call_hook, fn_name, kwargs)
+            return
         call_with_hooks(self, self._hook_order[1], super().call_hook, fn_name, kwargs)
 
     @override

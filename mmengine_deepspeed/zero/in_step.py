@@ -15,10 +15,18 @@ keeping its own slice of the values every rank computed alike (no broadcast).
 Per update that is one gather of the source and one of the average, and both
 copies whole for its duration (``plan`` counts them); models without an
 averaged model gather nothing.
+
+Hooks that do the same from outside the step (:data:`HOOK_UPDATES`:
+MMDetection's ``MeanTeacherHook`` moves a semi-supervised detector's teacher
+towards its student) run their update method the same way, with the whole
+model they are given gathered. Any other code that computes on released
+parameters is stopped in the first iteration (``released_guard.py``).
 """
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Iterable
+from functools import partial
 from types import MethodType
 from typing import Any
 
@@ -27,6 +35,7 @@ from torch import nn
 
 from ..compat import gather_whole, is_zero3_param, keep_local_slices, release_module_params
 from .gather import gathered_params
+from .released_guard import kept_updates
 
 # The engine each wrapped averaged model belongs to; a deep copy of the model
 # (the EMA hook's template, ``whole_copy``) keeps the wrapped method but is not
@@ -63,12 +72,55 @@ def _update_whole(averaged: BaseAveragedModel, model: nn.Module) -> None:
     if engine is None:
         update(averaged, model)
         return
-    for module in (model, averaged):
-        release_module_params(engine, module)
-    params = [p for p in averaged.parameters() if is_zero3_param(p)]
-    with gathered_params(list(model.parameters())):
+    _on_whole_tensors([engine], [model], averaged, lambda: update(averaged, model))
+
+
+def _on_whole_tensors(engines: list[Any], read: list[nn.Module], written: nn.Module,
+                      run: Callable[[], None]) -> None:
+    """``run()`` with ``read``'s and ``written``'s parameters whole, ``written``'s
+    re-partitioned afterwards from the values every rank computed alike."""
+    for engine in engines:
+        for module in (*read, written):
+            release_module_params(engine, module)
+    params = [p for p in written.parameters() if is_zero3_param(p)]
+    ids = {id(p) for p in params}
+    with gathered_params([p for m in read for p in m.parameters() if id(p) not in ids]):
         gather_whole(params)
         try:
-            update(averaged, model)
+            with kept_updates():
+                run()
         finally:  # every rank updated alike from the same whole values: no broadcast
             keep_local_slices(params)
+
+
+# Hooks that update the model's weights themselves, outside any forward (class name: the
+# method, which takes the model it updates first); with ZeRO-3 engines it runs with that whole
+# model gathered, and each rank keeps its slice of what every rank computed alike
+HOOK_UPDATES = {
+    'MeanTeacherHook': 'momentum_update',  # MMDetection: teacher <- EMA of the student
+}
+
+
+def hooks_update_on_whole_tensors(hooks: Iterable[Any], engines: list[Any]) -> list[Any]:
+    """Make each hook of :data:`HOOK_UPDATES` update on whole tensors under ZeRO-3.
+
+    Args:
+        hooks (Iterable[Hook]): The runner's hooks.
+        engines (list[DeepSpeedEngine]): The ZeRO-3 training engines, just built.
+
+    Returns:
+        list[Hook]: The hooks changed.
+    """
+    changed = []
+    for hook in hooks if engines else ():
+        method = HOOK_UPDATES.get(type(hook).__name__)
+        if method is not None:
+            update = partial(_hook_update_whole, engines, getattr(type(hook), method))
+            vars(hook)[method] = MethodType(update, hook)  # the class keeps its own
+            changed.append(hook)
+    return changed
+
+
+def _hook_update_whole(engines: list[Any], update: Callable[..., None], hook: Any,
+                       model: nn.Module, *args: Any, **kwargs: Any) -> None:
+    _on_whole_tensors(engines, [], model, lambda: update(hook, model, *args, **kwargs))

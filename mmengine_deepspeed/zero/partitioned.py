@@ -211,16 +211,18 @@ def partitioned_construction(ds_config: dict) -> PartitionedInit:
     return PartitionedInit(config_dict_or_path=ds_config)
 
 
-# torch's, DeepSpeed's and this package's files (a failure passes through all three)
-_NOT_MODEL_CODE = (*(osp.dirname(module.__file__ or '') + osp.sep for module in (torch, deepspeed)),
-                   osp.dirname(osp.dirname(osp.abspath(__file__))) + osp.sep)
+# torch's files; with DeepSpeed's and this package's, no model code (a failure passes through
+# all three)
+TORCH_CODE = osp.dirname(torch.__file__ or '') + osp.sep
+NOT_MODEL_CODE = (TORCH_CODE, osp.dirname(deepspeed.__file__ or '') + osp.sep,
+                  osp.dirname(osp.dirname(osp.abspath(__file__))) + osp.sep)
 
 
 def model_frame(error: BaseException) -> str:
     """Where in model code ``error`` came from: the innermost frame outside torch,
     DeepSpeed and this package, as ``file:line `code```."""
     frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if not f.filename.startswith(_NOT_MODEL_CODE)]
+              if not f.filename.startswith(NOT_MODEL_CODE)]
     return (f'{frames[-1].filename}:{frames[-1].lineno} `{frames[-1].line}`'
             if frames else 'an unknown call')
 
