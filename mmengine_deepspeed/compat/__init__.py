@@ -164,7 +164,7 @@ PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
      'tests/unit/test_plan_transients.py)'),
     ('torch._ops', 'ops.aten.copy_.default', '_schema',
      'which operand an ATen op writes: the first-iteration guard tells a write to a released '
-     'ZeRO-3 parameter from a read (tests/unit/test_released_guard.py)'),
+     'ZeRO-3 parameter from a read (tests/unit/test_compat.py, tests/dist/test_in_step.py)'),
     ('torch._ops', 'ops.aten', '_to_copy',
      'the op behind Tensor.to(device): plan\'s trace keeps a meta tensor moved to the CPU on '
      'meta (an ATen core-IR op; tests/unit/test_plan_activations.py)'),

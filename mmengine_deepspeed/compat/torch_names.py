@@ -62,7 +62,7 @@ def storage_key(tensor: torch.Tensor) -> int:
 def writes_first_operand(func: Any) -> bool:
     """Whether an ATen op, as a dispatch mode gets it, writes its first argument (in-place
     ops, ``copy_``): its schema, which torch exposes only as ``OpOverload._schema``. Pinned
-    by tests/unit/test_released_guard.py."""
+    by tests/unit/test_compat.py."""
     arguments = func._schema.arguments
     return bool(arguments and arguments[0].alias_info is not None
                 and arguments[0].alias_info.is_write)

@@ -66,6 +66,23 @@ def test_storage_key_is_one_per_storage_also_on_meta() -> None:
         assert compat.storage_key(other) != compat.storage_key(base)
 
 
+def test_an_op_tells_whether_it_writes_its_first_operand() -> None:
+    """zero/released_guard.py tells a write into a ZeRO-3 parameter from a read by the op's
+    schema; it finds the parameter by storage, which an empty ``.data`` shares with its
+    parameter (and not with another empty one), as DeepSpeed's released ones are."""
+    import torch
+
+    aten = torch.ops.aten
+    assert compat.writes_first_operand(aten.mul_.Tensor)
+    assert compat.writes_first_operand(aten.copy_.default)
+    assert not compat.writes_first_operand(aten.mul.Tensor)
+    assert not compat.writes_first_operand(aten.add.out)  # it writes `out`, a keyword
+    released, other = (torch.nn.Parameter(torch.ones(3)) for _ in range(2))
+    released.data, other.data = torch.empty(0), torch.empty(0)
+    assert compat.storage_key(released.data) == compat.storage_key(released)
+    assert compat.storage_key(other.data) != compat.storage_key(released.data)
+
+
 def test_a_loss_numbers_the_autograd_nodes_built_before_it() -> None:
     """zero/unused_params.py walks a graph again only when the count of nodes built between
     two losses changed: a skipped branch changes it, a repeated forward does not, and
