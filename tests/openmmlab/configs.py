@@ -72,6 +72,81 @@ train_cfg = dict(max_epochs=2)
 default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=1, max_keep_ckpts=1))
 '''
 
+# MMDetection's semi-supervised Soft Teacher as a CPU user shrinks it: ResNet-18, 96-160-pixel
+# images, 2 jitters, one labeled and one unlabeled image per batch (the labeled set's images
+# read again without their boxes), every pseudo box kept (a 4-iteration teacher scores below
+# the config's 0.9), a lower learning rate. Its MeanTeacherHook copies the student into the
+# teacher before training and moves the teacher towards it after every iteration.
+SOFT_TEACHER = """
+data_root = '{root}/'
+scale = [(128, 96), (128, 160)]
+detector = _base_.detector
+detector.backbone = dict(type='ResNet', depth=18, num_stages=4, out_indices=(0, 1, 2, 3),
+                         frozen_stages=1, norm_cfg=dict(type='BN', requires_grad=False),
+                         norm_eval=True, style='caffe', init_cfg=None)
+detector.neck = dict(type='FPN', in_channels=[64, 128, 256, 512], out_channels=256, num_outs=5)
+detector.test_cfg.rcnn.score_thr = 0.0
+model = dict(detector=detector, semi_train_cfg=dict(
+    jitter_times=2, pseudo_label_initial_score_thr=0.0, cls_pseudo_thr=0.0))
+packed = ('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor', 'flip',
+          'flip_direction', 'homography_matrix')
+sup_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='LoadAnnotations', with_bbox=True),
+    dict(type='RandomResize', scale=scale, keep_ratio=True),
+    dict(type='RandomFlip', prob=0.5),
+    dict(type='RandAugment', aug_space=_base_.color_space, aug_num=1),
+    dict(type='FilterAnnotations', min_gt_bbox_wh=(1e-2, 1e-2)),
+    dict(type='MultiBranch', branch_field=_base_.branch_field, sup=dict(type='PackDetInputs')),
+]
+weak_pipeline = [
+    dict(type='RandomResize', scale=scale, keep_ratio=True),
+    dict(type='RandomFlip', prob=0.5),
+    dict(type='PackDetInputs', meta_keys=packed),
+]
+strong_pipeline = [
+    dict(type='RandomResize', scale=scale, keep_ratio=True),
+    dict(type='RandomFlip', prob=0.5),
+    dict(type='RandomOrder', transforms=[
+        dict(type='RandAugment', aug_space=_base_.color_space, aug_num=1),
+        dict(type='RandAugment', aug_space=_base_.geometric, aug_num=1)]),
+    dict(type='RandomErasing', n_patches=(1, 5), ratio=(0, 0.2)),
+    dict(type='FilterAnnotations', min_gt_bbox_wh=(1e-2, 1e-2)),
+    dict(type='PackDetInputs', meta_keys=packed),
+]
+unsup_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='LoadEmptyAnnotations'),
+    dict(type='MultiBranch', branch_field=_base_.branch_field,
+         unsup_teacher=weak_pipeline, unsup_student=strong_pipeline),
+]
+train_images = dict(data_root=data_root, ann_file='annotations/instances_train2017.json',
+                    data_prefix=dict(img='train2017/'))
+train_dataloader = dict(
+    batch_size=2, num_workers=0, persistent_workers=False,
+    sampler=dict(batch_size=2, source_ratio=[1, 1]),
+    dataset=dict(datasets=[
+        dict(type='CocoDataset', filter_cfg=dict(filter_empty_gt=True, min_size=8),
+             pipeline=sup_pipeline, **train_images),
+        dict(type='CocoDataset', filter_cfg=dict(filter_empty_gt=False),
+             pipeline=unsup_pipeline, **train_images)]))
+test_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='Resize', scale=(128, 128), keep_ratio=True),
+    dict(type='PackDetInputs',
+         meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor')),
+]
+val_dataloader = dict(batch_size=1, num_workers=0, persistent_workers=False,
+                      dataset=dict(data_root=data_root, pipeline=test_pipeline))
+test_dataloader = val_dataloader
+val_evaluator = dict(ann_file=data_root + 'annotations/instances_val2017.json')
+test_evaluator = val_evaluator
+train_cfg = dict(max_iters=4, val_interval=4)
+optim_wrapper = dict(optimizer=dict(lr=0.001))
+param_scheduler = [dict(type='LinearLR', start_factor=0.001, by_epoch=False, begin=0, end=2)]
+default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=4))
+"""
+
 CONFIGS = {
     # MMDetection, one-stage: RetinaNet R-18 FPN (anchors built with torch.Tensor(numpy))
     'retinanet': ('mmdet', "_base_ = 'mmdet::retinanet/retinanet_r18_fpn_1xb8-1x_coco.py'"
@@ -85,6 +160,11 @@ model = dict(backbone=dict(depth=18, init_cfg=None),
              neck=dict(in_channels=[64, 128, 256, 512]),
              test_cfg=dict(rcnn=dict(score_thr=0.0)))
 ''', 'coco/bbox_mAP'),
+    # MMDetection, semi-supervised: Soft Teacher (Faster R-CNN student and teacher, the
+    # teacher updated by MeanTeacherHook from outside the model's step)
+    'soft_teacher': ('mmdet', "_base_ = 'mmdet::soft_teacher/"
+                     "soft-teacher_faster-rcnn_r50-caffe_fpn_180k_semi-0.1-coco.py'"
+                     + THREE_LINES + SOFT_TEACHER, 'teacher/coco/bbox_mAP'),
     # MMSegmentation: SegFormer MiT-b0 (drop-path rates from torch.linspace(...).item())
     'segformer': ('mmseg', "_base_ = 'mmseg::segformer/"
                   "segformer_mit-b0_8xb2-160k_ade20k-512x512.py'" + THREE_LINES + '''

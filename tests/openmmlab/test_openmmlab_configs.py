@@ -1,6 +1,7 @@
 """Real OpenMMLab configs train through their own ``tools/train.py`` with the three lines.
 
-MMDetection (RetinaNet, Faster R-CNN), MMSegmentation (SegFormer), MMPretrain
+MMDetection (RetinaNet, Faster R-CNN; Soft Teacher: a teacher MMDetection's
+``MeanTeacherHook`` updates), MMSegmentation (SegFormer), MMPretrain
 (ResNet; BYOL and MoCo v3: an EMA network updated in their loss, MMPretrain's LARS) and
 MMagic (DCGAN: two engines; its ``tools/train.py`` calls ``Runner.from_cfg``) configs,
 each the library's own config plus the three lines and small generated data
@@ -75,7 +76,10 @@ def train(tmp_path: Any, roots: dict[str, str], name: str, stage: int) -> str:
     return proc.stdout
 
 
-CASES = [(name, stage) for name in sorted(CONFIGS) for stage in (0, 1, 2, 3)]
+# Soft Teacher's mechanisms at ZeRO-0/1 are RetinaNet's and Faster R-CNN's; its own (a hook
+# updating a frozen teacher) are ZeRO-3's, kept to the stages that differ to save CI time
+STAGES = {'soft_teacher': (2, 3)}
+CASES = [(name, stage) for name in sorted(CONFIGS) for stage in STAGES.get(name, (0, 1, 2, 3))]
 
 
 @pytest.mark.parametrize('name, stage', CASES)
@@ -139,8 +143,8 @@ def runners_weights(tmp_path_factory: pytest.TempPathFactory,
 
 
 # BYOL and MoCo v3 at ZeRO-2 too: MMPretrain's LARS on one param group per parameter
-PARITY = [(name, stage) for name in sorted(CONFIGS) for stage in (0, 3)] + [
-    ('byol', 2), ('mocov3', 2)]
+PARITY = [(name, stage) for name in sorted(CONFIGS) for stage in (0, 3)
+          if stage in STAGES.get(name, (0, 3))] + [('byol', 2), ('mocov3', 2)]
 
 
 @pytest.mark.parametrize('name, stage', PARITY)
@@ -151,7 +155,8 @@ def test_config_gives_runners_parameters(tmp_path: Any, roots: dict[str, str],
     ZeRO-3 the model is built partitioned: MMCV's ConvModule initialises its conv in its own
     __init__, after zero.Init partitioned it (RetinaNet, Faster R-CNN and SegFormer differed
     by up to 2.8 before that was gathered). BYOL's target network (updated in its loss) is
-    among them: under ZeRO-3 its update used to read and write empty partitions."""
+    among them: under ZeRO-3 its update used to read and write empty partitions; so is Soft
+    Teacher's teacher, which MMDetection's MeanTeacherHook updates (issue 44)."""
     config = write_config(str(tmp_path), roots, name)
     ours = final_weights(CONFIGS[name][0], config, osp.join(str(tmp_path), 'work'),
                          f'ds_config.zero_optimization.stage={stage}')
@@ -196,7 +201,7 @@ def test_self_supervised_configs_resume_exactly_at_zero3(tmp_path: Any, roots: d
 
 # configs whose training step reads values (MMDetection's anchor and assigner code calls
 # .item(), MMSegmentation's accuracy indexes by a mask): no meta trace can follow them
-VALUE_STEPS = {'faster_rcnn', 'retinanet', 'segformer'}
+VALUE_STEPS = {'faster_rcnn', 'retinanet', 'segformer', 'soft_teacher'}
 
 
 @pytest.mark.parametrize('name', sorted(CONFIGS))
