@@ -11,9 +11,10 @@ For a known optimizer (:data:`NORM_MATH`) the user's instance stays what DeepSpe
 steps (its class, param groups and state names, so checkpoints and resharding see
 what they expect), and its ``step`` is replaced by one that knows where each
 parameter lies in the partitions (:class:`Slice`). Each call holds whole parameters
-(spread over the ranks): it all-reduces their squared norms once (LAMB once more for
-its updates' norms, computed from a copy of the moments), then applies the
-optimizer's formulas to each parameter's slice with the whole parameter's norms. LAMB's
+(spread over the ranks): it all-reduces their squared norms once (LAMB: the weights'
+and the updates', computed from a copy of the moments; none where no parameter of the
+call is scaled by a norm), then applies the optimizer's formulas to each parameter's
+slice with the whole parameter's norms. LAMB's
 clip by the norm of all gradients reads DeepSpeed's (``compat.clipped_global_grad_norm``).
 Element-wise parts (moments, momentum, weight decay) are computed on the slices as on
 whole tensors, so the result is ZeRO-0's up to the order of the norms' sums.
@@ -205,7 +206,9 @@ class PartitionedNormStep:
     DeepSpeed calls it once per param group (ZeRO-1/2), per sub-group (ZeRO-3) or
     once for all groups (its bf16 optimizer), each time with the partitions of
     whole parameters: each call reduces the squared norms of its parameters in one
-    all-reduce (LAMB: and its updates' in a second), then steps them.
+    all-reduce (none where the call holds no parameter a norm scales), then steps them.
+    The math (``_Lars``, ``_Lamb``) says which groups are ``scaled``, what is ``normed``
+    per slice, the ``scales`` from the reduced norms, and how a slice is stepped.
 
     Args:
         optimizer (Optimizer): The user's optimizer, before ``deepspeed.initialize``
@@ -269,15 +272,20 @@ class PartitionedNormStep:
                  for item in self._slices(flat)]
         if not items:
             return
-        # each slice's norm as torch.norm takes it, squared in float64 (exactly): a
-        # parameter that lies in one rank's partition gets the whole tensor's norm to the bit
-        norms_here = [torch.linalg.vector_norm(t) for c in items for t in (c.weight(), c.grad())]
-        sums = torch.stack(norms_here).double().pow(2).view(-1, 2).t().contiguous()
-        dist.all_reduce(sums)
-        weight_norm, grad_norm = sums.sqrt().unbind(0)
-        norms = dict(weight=weight_norm, grad=grad_norm)
-        self.math.reduce_more(self, items, norms)
         fresh = {id(c.flat): not self.optimizer.state.get(c.flat) for c in items}
+        norms = self.math.before(self, items)
+        # one all-reduce per call, none where no parameter of the call is scaled by a norm
+        # (LARS' lars_exclude groups, LAMB without weight decay): the decision reads only
+        # group settings, the same on every rank
+        if any(self.math.scaled(c.group) for c in items):
+            # each slice's norm as torch.norm takes it, squared in float64 (exactly): a
+            # parameter that lies in one rank's partition gets the whole tensor's norm to
+            # the bit
+            here = [torch.linalg.vector_norm(t) for c in items
+                    for t in self.math.normed(self, c, norms)]
+            sums = torch.stack(here).double().pow(2).view(len(items), -1).t().contiguous()
+            dist.all_reduce(sums)
+            norms.update(self.math.scales(self, items, sums.sqrt().unbind(0)))
         for index, call in enumerate(items):
             if call.item.length:
                 self.math.apply(self, call, norms, index, fresh[id(call.flat)])
@@ -298,22 +306,37 @@ class _Lars:
     on ``(g + wd * w) * lr * local_lr``."""
 
     @staticmethod
-    def reduce_more(owner: PartitionedNormStep, items: list[Call],
-                    norms: dict[str, torch.Tensor]) -> None:
-        weight, grad = norms['weight'], norms['grad']
+    def before(owner: PartitionedNormStep, items: list[Call]) -> dict[str, torch.Tensor]:
+        return {}
+
+    @staticmethod
+    def scaled(group: dict) -> bool:
+        return not group.get('lars_exclude', False)
+
+    @staticmethod
+    def normed(owner: PartitionedNormStep, call: Call,
+               norms: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return call.weight(), call.grad()
+
+    @staticmethod
+    def scales(owner: PartitionedNormStep, items: list[Call],
+               reduced: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+        weight, grad = reduced
         eta, decay, exclude = (_setting(owner, items, key, default, weight.device)
                                for key, default in (('eta', 0.001), ('weight_decay', 0.0),
                                                     ('lars_exclude', False)))
         local = eta * weight / (grad + decay * weight + getattr(owner.optimizer, 'eps', 1e-8))
         use = (weight != 0) & (grad != 0) & (exclude == 0)
-        norms['local_lr'] = torch.where(use, local, torch.ones_like(local))
+        return {'local_lr': torch.where(use, local, torch.ones_like(local))}
 
     @staticmethod
     def apply(owner: PartitionedNormStep, call: Call, norms: dict[str, torch.Tensor],
               index: int, fresh: bool) -> None:
         group, weight = call.group, call.weight()
-        step = call.grad().add(weight, alpha=group['weight_decay']).mul(
-            (norms['local_lr'][index] * group['lr']).float())
+        lr = group['lr']
+        if 'local_lr' in norms:
+            lr = (norms['local_lr'][index] * lr).float()
+        step = call.grad().add(weight, alpha=group['weight_decay']).mul(lr)
         momentum = group['momentum']
         if momentum != 0:
             buf = call.state('momentum_buffer', owner.optimizer)
@@ -352,27 +375,34 @@ class _Lamb:
         return update
 
     @staticmethod
-    def reduce_more(owner: PartitionedNormStep, items: list[Call],
-                    norms: dict[str, torch.Tensor]) -> None:
-        """The clip by all gradients' norm; each update's norm from a copy of the moments
-        (the real ones move when the slice is stepped) in one all-reduce: trust ratios."""
+    def before(owner: PartitionedNormStep, items: list[Call]) -> dict[str, torch.Tensor]:
+        """The clip by all gradients' norm (DeepSpeed's, no collective); the step counts."""
         total = owner.global_grad_norm().double()
         max_norm = owner.optimizer.defaults['max_grad_norm']
-        norms['clip'] = torch.where(total > max_norm, total / max_norm,
-                                    torch.ones_like(total)).float()
         for call in items:  # one count per optimizer step
             if call.item.first:
                 call.group['step'] = call.group.get('step', 0) + 1
-        update_sq = []
-        for call in items:
-            moments = (call.state('exp_avg', owner.optimizer).clone(),
-                       call.state('exp_avg_sq', owner.optimizer).clone())
-            update = _Lamb._update(call.group, moments, call.weight(),
-                                   call.grad() / norms['clip'])
-            update_sq.append(torch.linalg.vector_norm(update))
-        sums = torch.stack(update_sq).double().pow(2)
-        dist.all_reduce(sums)
-        weight, update_norm = norms['weight'], sums.sqrt()
+        return {'clip': torch.where(total > max_norm, total / max_norm,
+                                    torch.ones_like(total)).float()}
+
+    @staticmethod
+    def scaled(group: dict) -> bool:
+        return group['weight_decay'] != 0 or bool(group.get('always_adapt', False))
+
+    @staticmethod
+    def normed(owner: PartitionedNormStep, call: Call,
+               norms: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The weight and the update, from a copy of the moments (the real ones move when
+        the slice is stepped)."""
+        moments = (call.state('exp_avg', owner.optimizer).clone(),
+                   call.state('exp_avg_sq', owner.optimizer).clone())
+        return call.weight(), _Lamb._update(call.group, moments, call.weight(),
+                                            call.grad() / norms['clip'])
+
+    @staticmethod
+    def scales(owner: PartitionedNormStep, items: list[Call],
+               reduced: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+        weight, update_norm = reduced
         ones = torch.ones_like(weight)
         ratio = torch.where(weight > 0,
                             torch.where(update_norm > 0, weight / update_norm, ones), ones)
@@ -381,7 +411,7 @@ class _Lamb:
                                                           ('weight_decay', 0.0),
                                                           ('always_adapt', False)))
         ratio = torch.where(trust_clip > 0, ratio.clamp(max=1.0), ratio)
-        norms['trust'] = torch.where((decay != 0) | (always > 0), ratio, ones).float()
+        return {'trust': torch.where((decay != 0) | (always > 0), ratio, ones).float()}
 
     @staticmethod
     def apply(owner: PartitionedNormStep, call: Call, norms: dict[str, torch.Tensor],
@@ -390,7 +420,8 @@ class _Lamb:
                    call.state('exp_avg_sq', owner.optimizer))
         update = _Lamb._update(call.group, moments, call.weight(),
                                call.grad().div_(norms['clip']))
-        update.mul_(norms['trust'][index])
+        if 'trust' in norms:
+            update.mul_(norms['trust'][index])
         call.weight().add_(update, alpha=-call.group['lr'])
 
 

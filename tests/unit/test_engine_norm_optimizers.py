@@ -52,3 +52,60 @@ def test_zero12_slices_cut_the_group_where_deepspeed_partitions_it(rank: int) ->
     assert [(s.start - flat.storage_offset(), s.length) for s in slices] == expected
     assert [s.first for s in slices] == [True, False, False]
     assert {s.group for s in slices} == {4}
+
+
+def _per_group_calls(optimizer: torch.optim.Optimizer) -> None:
+    """Step as DeepSpeed's ZeRO-1/2 optimizer does: one call per group, that group alone."""
+    groups = optimizer.param_groups
+    for group in list(groups):
+        optimizer.param_groups = [group]
+        optimizer.step()
+    optimizer.param_groups = groups
+
+
+@pytest.mark.parametrize('kind', ['lars', 'lamb'])
+def test_a_call_reduces_once_and_not_at_all_without_a_norm_scaled_parameter(
+        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A world of one with each group's parameters as DeepSpeed's flat partition (ZeRO-2's
+    layout): the weights' call all-reduces once, the biases' (``lars_exclude``; LAMB without
+    weight decay) not at all, and the numbers are the optimizer's own on whole tensors."""
+    from mmengine_deepspeed.dist import init_distributed
+    from mmengine_deepspeed.engine.norm_optimizers import PartitionedNormStep
+    init_distributed('none')
+    torch.manual_seed(0)
+    weights = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(5))]
+    biases = [nn.Parameter(torch.randn(3))]
+    grads = [torch.randn_like(p) for p in weights + biases]
+
+    def build(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        groups = [{'params': params[:2]}, {'params': params[2:], 'weight_decay': 0.0,
+                                           'lars_exclude': True}]
+        if kind == 'lars':
+            return RefLARS(groups, lr=0.5, momentum=0.9, weight_decay=1e-3, eta=0.02)
+        return RefLamb(groups, lr=0.01, weight_decay=0.02, max_grad_norm=100.0)
+
+    reference = [nn.Parameter(p.detach().clone()) for p in weights + biases]
+    for param, grad in zip(reference, grads):
+        param.grad = grad.clone()
+    build(reference).step()
+
+    partitioned = build(weights + biases)
+    flats = []
+    for group in partitioned.param_groups:  # what deepspeed.initialize leaves there
+        flat = nn.Parameter(torch.cat([p.detach().flatten() for p in group['params']]))
+        flat.grad = torch.cat([grads[i].flatten() for i, p in enumerate(weights + biases)
+                               if any(p is q for q in group['params'])])
+        flats.append(flat)
+    norm_step = PartitionedNormStep(partitioned, kind, 2, lambda: torch.sqrt(
+        sum(g.pow(2).sum() for g in grads)))
+    norm_step.install()
+    for group, flat in zip(partitioned.param_groups, flats):
+        group['params'] = [flat]
+    reductions = []
+    monkeypatch.setattr(torch.distributed, 'all_reduce',
+                        lambda tensor, *args, **kwargs: reductions.append(tensor.shape))
+    _per_group_calls(partitioned)
+    assert reductions == [torch.Size([2, 2])]  # two norms of two parameters, one call
+    expected = torch.cat([p.detach().flatten() for p in reference])
+    torch.testing.assert_close(torch.cat([f.detach() for f in flats]), expected,
+                               rtol=1e-6, atol=1e-7)
