@@ -30,8 +30,9 @@ from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.data_order import resumable_loader
 from .checkpoint.state import rng_state, set_rng_state
 from .config.resolve import DsConfigSource
+from .config.runner_keys import switch
 from .dist import cuda_available, init_distributed
-from .engine.activation import has_section
+from .engine.activation import checkpointed_modules, has_section
 from .engine.build import left_unwrapped
 from .engine.compile import check_deepcompile, compile_options, compile_report
 from .engine.offload import check_nvme
@@ -112,9 +113,9 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
         cfg = Config(cfg) if isinstance(cfg, dict) and not isinstance(cfg, Config) else cfg
         if ds_config is None and cfg is not None:
             ds_config = cfg.get('ds_config')
-        self.allow_unsafe_checkpoints = bool(_from_cfg(
-            cfg, 'allow_unsafe_checkpoints', allow_unsafe_checkpoints, False))
-        self.zero_init = bool(_from_cfg(cfg, 'zero_init', zero_init, True))
+        self.allow_unsafe_checkpoints = switch(
+            cfg, 'allow_unsafe_checkpoints', allow_unsafe_checkpoints, False)
+        self.zero_init = switch(cfg, 'zero_init', zero_init, True)
         self.nonfinite_hook = NonFiniteHook(
             NonFinitePolicy.of(_from_cfg(cfg, 'nonfinite', nonfinite, None)),
             exclude_samples_of(_from_cfg(cfg, 'exclude_samples', exclude_samples, None)))
@@ -259,6 +260,8 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
         engines' modules (``engine/compile.py``): MMEngine would wrap the
         modules with torch's checkpoint and compile ``train_step`` instead.
         """
+        # a name the model lacks is refused here, naming the key, on both paths
+        checkpointed_modules(self.bare_model, self.cfg.get('activation_checkpointing'))
         keys = ['compile'] if self.cfg.get('compile') is not None else []
         if self.cfg.get('activation_checkpointing') is not None \
                 and has_section(self._activation_config()):

@@ -15,8 +15,8 @@ section does what DeepSpeed documents.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from typing import Any, Union
+from collections.abc import Callable
+from typing import Any
 
 import deepspeed
 import torch
@@ -40,31 +40,59 @@ def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def checkpoint_through_deepspeed(model: nn.Module, modules: Union[str, Sequence[str]],
+def checkpointed_modules(model: nn.Module, modules: Any) -> list[tuple[str, nn.Module]]:
+    """The submodules MMEngine's ``activation_checkpointing`` key names, by name.
+
+    Read before training starts (the runner's ``train()``, ``plan``), so that a name
+    the model lacks is refused naming the key and the fix, not by torch's
+    ``AttributeError`` from inside MMEngine's ``turn_on_activation_checkpointing``.
+
+    Args:
+        model (nn.Module): The bare model.
+        modules (Any): The key's value: a dotted submodule name, a list of them, or None.
+
+    Raises:
+        ValueError: A value that is not names, or a name that is not a submodule.
+    """
+    if modules is None:
+        return []
+    names = [modules] if isinstance(modules, str) else modules
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f'{SECTION}={modules!r}: give a list of dotted submodule names '
+                         "of the model (e.g. ['backbone.layer1']).")
+    found = []
+    for name in names:
+        try:
+            found.append((name, model.get_submodule(name)))
+        except AttributeError as e:
+            raise ValueError(
+                f'{SECTION} names {name!r}, which is not a submodule of '
+                f'{type(model).__name__} ({e}); use dotted names from model.named_modules() '
+                f'(e.g. {_examples(model)}).') from e
+    return found
+
+
+def _examples(model: nn.Module) -> str:
+    """A few of the model's top-level submodule names, for an error message."""
+    names = [name for name, _ in model.named_children()][:4]
+    return ', '.join(repr(n) for n in names) or 'the model has no submodules'
+
+
+def checkpoint_through_deepspeed(model: nn.Module, modules: Any,
                                  ds_config: dict) -> list[str]:
     """Configure DeepSpeed's checkpointing and wrap ``modules`` of ``model`` with it.
 
     Args:
         model (nn.Module): The bare model.
-        modules (str | Sequence[str]): MMEngine's ``activation_checkpointing``
-            value: dotted submodule names (may be empty).
+        modules (Any): MMEngine's ``activation_checkpointing`` value: dotted submodule
+            names (may be empty; :func:`checkpointed_modules`).
         ds_config (dict): The resolved ds_config, with the section.
 
     Returns:
         list[str]: The modules wrapped.
-
-    Raises:
-        ValueError: A name that is not a submodule of the model.
     """
     deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
-    names = [modules] if isinstance(modules, str) else list(modules)
-    for name in names:
-        try:
-            module = model.get_submodule(name)
-        except AttributeError as e:
-            raise ValueError(
-                f'activation_checkpointing names {name!r}, which is not a submodule of '
-                f'{type(model).__name__} ({e}); use dotted names from model.named_modules().'
-            ) from e
+    found = checkpointed_modules(model, modules)
+    for _, module in found:
         module.forward = _checkpointed(module.forward)
-    return names
+    return [name for name, _ in found]

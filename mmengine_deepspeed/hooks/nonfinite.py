@@ -134,6 +134,14 @@ class NonFiniteHook(Hook):
                     'exclude_samples needs the train loader\'s default batch sampler (a '
                     'sampler DeepSpeedRunner can wrap); this loader has a custom batch_sampler '
                     'or an IterableDataset.')
+            size = len(runner.train_dataloader.dataset)
+            beyond = sorted(i for i in self.excluded if i >= size)
+            if beyond:
+                raise ValueError(
+                    f'exclude_samples names dataset indices {beyond[:10]}'
+                    f'{"..." if len(beyond) > 10 else ""}, past the end of the training '
+                    f'dataset ({size} samples: indices 0-{size - 1}); give indices of this '
+                    'dataset (excluded_samples.json of a rollback of this config lists them).')
             sampler.exclude(self.excluded)
             hub.update_info(EXCLUDED_KEY, sorted(self.excluded))
             runner.logger.info(f'Leaving out {len(self.excluded)} samples of the training '

@@ -33,6 +33,7 @@ from torch import nn
 from typing_extensions import override
 
 from ..compat import TO_COPY, TorchDispatchMode
+from ..engine.activation import checkpointed_modules
 from ..engine.spec import SINGLE_ENGINE
 from ..zero.partitioned import model_frame
 from .census import construction_note, on_meta, streams_kept
@@ -276,8 +277,8 @@ def trace_activations(cfg: Config, model: nn.Module, batch: Any, micro_batch: in
         engines (list[str]): The engines' names (the optim wrappers ``train_step`` gets).
         probe (bool): Where tracing cannot run, measure one real step (else raise).
     """
-    checkpointed = cfg.get('activation_checkpointing') or []
-    checkpointed = [checkpointed] if isinstance(checkpointed, str) else list(checkpointed)
+    checkpointed = [name for name, _ in checkpointed_modules(
+        model, cfg.get('activation_checkpointing'))]
     float_size = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
     if not on_meta(model):  # its construction needed values: built for real already
         if not probe:

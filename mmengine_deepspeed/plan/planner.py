@@ -22,6 +22,7 @@ from torch import nn
 
 from ..config.checks import offload_devices
 from ..config.model_settings import fit_zero_sizes
+from ..config.runner_keys import switch
 from ..dist import cuda_available
 from ..engine.spec import EngineSpecs
 from ..process_memory import rss_mib
@@ -201,7 +202,7 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
                              'cpu' if offload_param else 'none', micro_batch,
                              round(predicted, 1), round(host, 1),
                              round(construction_mib(engines, stage, ranks, cuda, fixed,
-                                                    bool(cfg.get('zero_init', True))), 1),
+                                                    switch(cfg, 'zero_init', None, True)), 1),
                              predicted <= device_mib and host <= host_mib,
                              row.max_micro_batch(device_mib),
                              round(row.peak_mib(micro_batch + 1)[0] - predicted, 2),

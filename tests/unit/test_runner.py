@@ -105,3 +105,37 @@ def test_build_optim_wrapper_is_mmengines_for_any_wrapper(tmp_path: Any) -> None
 @OPTIM_WRAPPERS.register_module(force=True)
 class CountingOptimWrapper(OptimWrapper):
     """A user's own OptimWrapper type."""
+
+
+@pytest.mark.parametrize('key,value', [('zero_init', 'no'), ('allow_unsafe_checkpoints', 1)])
+def test_a_switch_that_is_not_a_bool_is_refused(tmp_path: Any, key: str, value: Any) -> None:
+    """``bool('no')`` is True: a config's ``zero_init='no'`` silently meant the opposite."""
+    cfg = toy_config(str(tmp_path / 'never_created'), ds_config={})
+    with pytest.raises(ValueError, match=f'{key}={value!r}: give True or False'):
+        DeepSpeedRunner(**cfg, cfg=dict(cfg, **{key: value}))
+    with pytest.raises(ValueError, match=f'{key}={value!r}'):
+        DeepSpeedRunner(**cfg, **{key: value})
+    assert not (tmp_path / 'never_created').exists()
+
+
+@pytest.mark.parametrize('ds_config', [{}, {'activation_checkpointing': {}}])
+def test_activation_checkpointing_of_a_missing_module_is_refused_before_training(
+        tmp_path: Any, ds_config: dict) -> None:
+    """Through MMEngine's torch checkpoint (no DeepSpeed section) and DeepSpeed's: the name
+    is refused naming the key, the name and the model's own names, before any engine."""
+    cfg = toy_config(str(tmp_path), ds_config=ds_config, val=False)
+    runner = DeepSpeedRunner(**cfg, cfg=dict(cfg, activation_checkpointing=['blocks.99']))
+    with pytest.raises(ValueError, match=r"activation_checkpointing names 'blocks\.99'.*"
+                                         r'ToyModel.*named_modules\(\)'):
+        runner.train()
+    assert not runner.engine_specs.built and runner.iter == 0
+
+
+def test_excluded_samples_past_the_dataset_are_refused_before_the_first_step(
+        tmp_path: Any) -> None:
+    cfg = toy_config(str(tmp_path), ds_config={}, val=False, dataset_size=32)
+    runner = DeepSpeedRunner(**cfg, exclude_samples=[3, 10**9])
+    with pytest.raises(ValueError, match=r'exclude_samples names dataset indices \[1000000000\]'
+                                         r', past the end of the training dataset \(32 samples'):
+        runner.train()
+    assert runner.iter == 0
