@@ -41,7 +41,7 @@ from .failure import failing_together
 from .hooks.failed_steps import NonFinitePolicy, exclude_samples_of
 from .hooks.nonfinite import NonFiniteHook
 from .hooks.runner_methods import HookMethods
-from .loops import resumable_loop
+from .loops import IndexedBatches, resumable_loop
 from .message_hub import MessageHubMethods
 from .plan.census import import_scope
 from .plan.planner import predicted_peak_mib
@@ -218,8 +218,19 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
 
     @override
     def build_train_loop(self, loop: Any) -> Any:
-        """MMEngine's train loops, resuming exactly and without reloading data (``loop.py``)."""
-        return super().build_train_loop(resumable_loop(loop))
+        """MMEngine's train loops, resuming exactly and without reloading data (``loop.py``);
+        another loop class is built as it is, and the log says once what it goes without."""
+        built = super().build_train_loop(resumable_loop(loop))
+        if not isinstance(built, IndexedBatches):
+            self.logger.warning(
+                f'The train loop {type(built).__name__} is not one DeepSpeedRunner resumes '
+                'exactly (MMEngine\'s EpochBasedTrainLoop or IterBasedTrainLoop): a resume '
+                'restores its epoch and iteration as MMEngine does, not its position in the '
+                'epoch\'s data nor the workers\' random streams, and a non-finite step cannot '
+                'be rolled back (its samples are not known). For those, derive it from '
+                'mmengine_deepspeed.loops.ResumableEpochBasedTrainLoop or '
+                'ResumableIterBasedTrainLoop.')
+        return built
 
     @override
     @staticmethod

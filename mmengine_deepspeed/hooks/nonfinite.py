@@ -116,7 +116,13 @@ class NonFiniteHook(Hook):
     def before_train(self, runner: Any) -> None:
         self._reset()
         hub = runner.message_hub
-        if hasattr(hub, 'observe') and self._observing is not hub:
+        if not (hasattr(hub, 'observe') and hasattr(hub, 'read_pending')):
+            raise TypeError(
+                f'The message hub is a {type(hub).__name__}; NonFiniteHook observes losses '
+                'through the DeferredMessageHub DeepSpeedRunner builds (message_hub.py). '
+                'Leave build_message_hub to DeepSpeedRunner, or derive your hub from '
+                'mmengine_deepspeed.message_hub.DeferredMessageHub.')
+        if self._observing is not hub:
             hub.observe(self._observe, self._observed_key)
             self._observing = hub
         wrappers = [w for w in named_wrappers(runner.optim_wrapper).values()
@@ -131,9 +137,9 @@ class NonFiniteHook(Hook):
             sampler = getattr(runner.train_loop, 'resumable_sampler', None)
             if sampler is None:
                 raise ValueError(
-                    'exclude_samples needs the train loader\'s default batch sampler (a '
-                    'sampler DeepSpeedRunner can wrap); this loader has a custom batch_sampler '
-                    'or an IterableDataset.')
+                    'exclude_samples needs MMEngine\'s train loops and the loader\'s default '
+                    'batch sampler (a sampler DeepSpeedRunner can wrap); this run has a custom '
+                    'train loop, a custom batch_sampler or an IterableDataset.')
             size = len(runner.train_dataloader.dataset)
             beyond = sorted(i for i in self.excluded if i >= size)
             if beyond:
@@ -151,7 +157,7 @@ class NonFiniteHook(Hook):
         world = runner.world_size
 
         def flags() -> list[float]:
-            if (runner.iter + 1) % self._interval == 0 and hasattr(hub, 'read_pending'):
+            if (runner.iter + 1) % self._interval == 0:
                 hub.read_pending()  # the read LoggerHook makes at this iteration anyway
             # the same decision to gather on every rank, whatever each has read so far
             seen = bool(self._bad or self._skips or self._spikes)
@@ -214,9 +220,8 @@ class NonFiniteHook(Hook):
             if logging:  # between them, losses not read yet may still prove bad
                 self._positions.clear()
             return
-        hub = runner.message_hub
-        if hasattr(hub, 'read_pending'):
-            hub.read_pending()  # something failed: the losses until now, read on every rank
+        runner.message_hub.read_pending()  # something failed: the losses until now, read
+        # on every rank
         steps = self._gather(runner)
         self._positions.clear()
         self._skips, self._bad, self._spikes = [], {}, []
@@ -295,7 +300,8 @@ class NonFiniteHook(Hook):
         if self.rollbacks >= self.policy.max_rollbacks:
             why_not = f'max_rollbacks={self.policy.max_rollbacks} reached'
         elif getattr(runner.train_loop, 'resumable_sampler', None) is None:
-            why_not = 'the train loader has a custom batch sampler, which cannot leave samples out'
+            why_not = ('the train loop or loader cannot leave samples out (a custom train loop '
+                       'or batch sampler: see the warning at its build)')
         elif not path:
             why_not = (f'no complete checkpoint was taken before iteration {first + 1} '
                        '(CheckpointHook\'s interval)')

@@ -38,7 +38,7 @@ class HookMethods(Runner):
     engine_specs: EngineSpecs
     nonfinite_hook: Hook  # configured by the runner's nonfinite / exclude_samples
     # (the registered hooks, the merged order): sorted again only when they change
-    _hook_order: Optional[tuple[tuple[Hook, ...], list[Hook]]] = None
+    _hook_order: Optional[tuple[tuple[Optional[Hook], ...], list[Hook]]] = None
 
     @override
     def register_default_hooks(self, hooks: Optional[dict] = None) -> None:
@@ -67,9 +67,10 @@ class HookMethods(Runner):
         if fn_name in PHASE_ENDS and self.engine_specs.built:
             for engine in self.engine_specs.engines().values():
                 release_all(engine)
-        registered = tuple(self.hooks)
-        if self._hook_order is None or registered != self._hook_order[0]:
-            self._hook_order = (registered, in_priority_order(self.hooks, self.added_hooks))
+        # both lists may be edited at any time (README: remove a hook from added_hooks)
+        listed = (*self.hooks, None, *self.added_hooks)
+        if self._hook_order is None or listed != self._hook_order[0]:
+            self._hook_order = (listed, in_priority_order(self.hooks, self.added_hooks))
         if fn_name == 'before_train':  # hooks that set weights up (a teacher copied whole)
             with released_guard(self.model):
                 call_with_hooks(self, self._hook_order[1], super().call_hook, fn_name, kwargs)

@@ -139,3 +139,58 @@ def test_excluded_samples_past_the_dataset_are_refused_before_the_first_step(
                                          r', past the end of the training dataset \(32 samples'):
         runner.train()
     assert runner.iter == 0
+
+
+def test_a_custom_train_loop_is_built_as_it_is_and_the_log_says_what_it_goes_without(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mmengine.registry import LOOPS
+    from mmengine.runner import IterBasedTrainLoop
+
+    class OwnIterLoop(IterBasedTrainLoop):
+        """A user's loop class (not MMEngine's own, which the runner makes resumable)."""
+
+    LOOPS.register_module(module=OwnIterLoop, force=True)
+    cfg = toy_config(str(tmp_path), ds_config={}, val=False)
+    cfg['train_cfg'] = dict(type='OwnIterLoop', max_iters=2)
+    runner = DeepSpeedRunner(**cfg)
+    warnings: list[str] = []
+    monkeypatch.setattr(runner.logger, 'warning', warnings.append)
+    assert type(runner.train_loop) is OwnIterLoop
+    assert len(warnings) == 1 and warnings[0].startswith(
+        'The train loop OwnIterLoop is not one DeepSpeedRunner resumes exactly')
+    assert 'ResumableIterBasedTrainLoop' in warnings[0]
+
+
+def test_nonfinite_hook_refuses_a_hub_it_cannot_observe(tmp_path: Any) -> None:
+    """A runner whose build_message_hub gives MMEngine's own hub would never see a NaN loss."""
+    from mmengine.logging import MessageHub
+
+    class PlainHubRunner(DeepSpeedRunner):
+        def build_message_hub(self, message_hub: Any = None) -> MessageHub:
+            return MessageHub.get_instance(f'plain-{id(self)}')
+
+    runner = PlainHubRunner(**toy_config(str(tmp_path), ds_config={}, val=False))
+    with pytest.raises(TypeError, match='The message hub is a MessageHub; NonFiniteHook observes'):
+        runner.train()
+    assert runner.iter == 0
+
+
+def test_edits_of_added_hooks_take_effect_at_the_next_call(tmp_path: Any) -> None:
+    """README tells users to remove a hook from ``runner.added_hooks``: the order the runner
+    keeps between calls followed only ``runner.hooks``."""
+    from mmengine.hooks import Hook
+
+    class Counting(Hook):
+        calls = 0
+
+        def before_run(self, runner: Any) -> None:
+            self.calls += 1
+
+    runner = DeepSpeedRunner(**toy_config(str(tmp_path), ds_config={}, val=False))
+    counting = Counting()
+    runner.call_hook('before_run')
+    runner.added_hooks.append(counting)
+    runner.call_hook('before_run')
+    runner.added_hooks.remove(counting)
+    runner.call_hook('before_run')
+    assert counting.calls == 1
