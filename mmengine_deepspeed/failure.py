@@ -213,10 +213,18 @@ def rank_failed() -> bool:
     return bool(_channel) and _channel[0].failed
 
 
+class AgreedExit(SystemExit):
+    """Every rank leaves ``train()`` together, with this exit status, after agreeing to.
+
+    A ``SystemExit``, so no traceback; raised on every rank alike (a preemption's
+    checkpoint taken, a non-finite policy's stop), so no single rank's failure.
+    """
+
+
 def is_failure(error: BaseException) -> bool:
     """Whether ``error`` ends this rank alone (not a clean or agreed exit)."""
     if isinstance(error, SystemExit):
-        return error.code not in (None, 0) and not getattr(error, 'agreed', False)
+        return error.code not in (None, 0) and not isinstance(error, AgreedExit)
     return True
 
 

@@ -89,19 +89,8 @@ class DeferredMessageHub(MessageHub):
     def update_scalar(self, key: str, value: Any, count: int = 1, resumed: bool = True) -> None:
         """MMEngine's update, with a one-element tensor kept (detached) until the hub is
         read, and a plain number appended directly where MMEngine's update would only
-        append it (the key's history is a :class:`~.history.GrowingHistory` logged with the
-        same ``resumed``, and no tensor of the key waits): a handful of Python calls per
-        value, several times per iteration."""
-        kind = type(value)
-        if kind is float or kind is int:  # _update_history's direct append, inlined: a call
-            known = self._appendable.get(key)  # less per value, several values per iteration
-            if known is not None and known[1] is resumed and type(count) is int \
-                    and self._histories.get(key) is known[0] and key not in self._pending_keys:
-                known[0].update(value, count)
-                for observer in known[2]:
-                    observer(key, int(self._runtime.get('iter', -1)), float(value))
-                return
-        elif isinstance(value, torch.Tensor) and value.numel() == 1 and isinstance(count, int):
+        append it (:meth:`_update_history`)."""
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and isinstance(count, int):
             self._pending.append((key, value.detach() if value.requires_grad else value, count,
                                   resumed, int(self._runtime.get('iter', -1))))
             self._pending_keys.add(key)
@@ -118,7 +107,9 @@ class DeferredMessageHub(MessageHub):
     def _update_history(self, key: str, value: Any, count: int,
                         resumed: bool) -> tuple[Observer, ...]:
         """MMEngine's update, into a :class:`~.history.GrowingHistory` (MMEngine makes a
-        ``HistoryBuffer`` for a new key; one loaded from a checkpoint is one too).
+        ``HistoryBuffer`` for a new key; one loaded from a checkpoint is one too); a plain
+        number is appended directly where the key's history is one logged with the same
+        ``resumed`` (several values per iteration).
 
         Returns:
             tuple: The key's observers.

@@ -78,6 +78,11 @@ class DeepSpeedEngineWrapper(nn.Module):
             through it. Defaults to None.
     """
 
+    _whole_model: Optional[nn.Module]
+    _user_model: nn.Module
+    _forward_target: nn.Module
+    _own_steps: dict[str, bool]
+
     def __init__(self, engines: Mapping[str, DeepSpeedEngine],
                  cast_dtype: Optional[torch.dtype] = None, model: Optional[nn.Module] = None):
         super().__init__()
@@ -85,15 +90,19 @@ class DeepSpeedEngineWrapper(nn.Module):
         self.cast_dtype = cast_dtype
         if model is None:
             (self.engine,) = self.engines.values()  # a submodule: parameters() reach the model
-        # Not a submodule: the engines own the parameters (and ZeRO-3 hooks).
-        self.__dict__['_whole_model'] = model
-        # The user's model, read by hooks and by the steps many times per iteration: kept
-        # outside nn.Module's registries, whose lookup (two, through the engine) costs more.
-        self.__dict__['_user_model'] = model if model is not None else self.engine.module
-        # what the steps call, fixed for the wrapper's life: decided once, not per iteration
-        self.__dict__['_forward_target'] = self.engine if model is None else model
-        self.__dict__['_own_steps'] = {method: overrides(self.module, method)
-                                       for method in ('train_step', 'val_step', 'test_step')}
+        # Plain attributes, not submodules (object.__setattr__ passes nn.Module's
+        # registration by): the engines own the parameters and ZeRO-3's hooks, and a
+        # submodule would put the model in state_dict() a second time.
+        unregistered = {
+            '_whole_model': model,
+            '_user_model': model if model is not None else self.engine.module,
+            # what the steps call, decided once for the wrapper's life
+            '_forward_target': self.engine if model is None else model,
+        }
+        for name, value in unregistered.items():
+            object.__setattr__(self, name, value)
+        self._own_steps = {method: overrides(self._user_model, method)
+                           for method in ('train_step', 'val_step', 'test_step')}
         preprocessor = getattr(self.module, 'data_preprocessor', None)
         device = {engine.device for engine in self.engines.values()}.pop()
         if isinstance(preprocessor, BaseDataPreprocessor) and preprocessor.device != device:
@@ -102,7 +111,7 @@ class DeepSpeedEngineWrapper(nn.Module):
     @property
     def module(self) -> nn.Module:
         """The user's model, for hooks and for code written for DDP."""
-        return self.__dict__['_user_model']
+        return self._user_model
 
     @override
     def __getattr__(self, name: str) -> Any:
@@ -132,7 +141,7 @@ class DeepSpeedEngineWrapper(nn.Module):
         """Set training mode on every engine and the whole model (MMEngine's iteration loop
         calls it every iteration: the model's tree is walked once, as DDP's would be)."""
         super().train(mode)  # one engine: a submodule, whose train() sets the model's
-        if self.__dict__['_whole_model'] is not None:  # several: not submodules
+        if self._whole_model is not None:  # several: not submodules
             self.module.train(mode)
             for engine in self.engines.values():
                 engine.train(mode)
@@ -151,8 +160,8 @@ class DeepSpeedEngineWrapper(nn.Module):
         Returns:
             dict[str, torch.Tensor]: Log variables from ``parse_losses``.
         """
-        module = self.__dict__['_user_model']
-        if self.__dict__['_own_steps']['train_step']:
+        module = self._user_model
+        if self._own_steps['train_step']:
             return getattr(module, 'train_step')(data, optim_wrapper)  # noqa: B009
         if len(self.engines) > 1:
             raise TypeError(
@@ -178,7 +187,7 @@ class DeepSpeedEngineWrapper(nn.Module):
 
     def _predict(self, data: Data, method: str) -> list:
         module = self.module
-        if self.__dict__['_own_steps'][method]:
+        if self._own_steps[method]:
             return getattr(module, method)(data)
         assert isinstance(module, BaseModel)
         batch = module.data_preprocessor(data, False)
@@ -188,7 +197,7 @@ class DeepSpeedEngineWrapper(nn.Module):
         if self.cast_dtype is not None:
             batch = cast_floating(batch, self.cast_dtype)
         # Several engines: the submodules are called (and cast) by the model.
-        forward = self.__dict__['_forward_target']
+        forward = self._forward_target
         if isinstance(batch, Mapping):
             return forward(**batch, mode=mode)
         if isinstance(batch, (list, tuple)):
@@ -204,7 +213,7 @@ class DeepSpeedEngineWrapper(nn.Module):
         """
         if self.cast_dtype is not None:
             args, kwargs = cast_floating((args, kwargs), self.cast_dtype)
-        return self.__dict__['_forward_target'](*args, **kwargs)
+        return self._forward_target(*args, **kwargs)
 
 
 def released_guard(model: nn.Module) -> AbstractContextManager:

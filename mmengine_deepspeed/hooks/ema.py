@@ -98,10 +98,7 @@ class DeepSpeedEMAHook(EMAHook):
         """Average the gathered fp32 weights (or copy them before EMA starts); gathered
         only on the iterations that blend them."""
         if not ema_started(self, runner):
-            with gathered(self.src_model):
-                current = _Fp32View(self.src_model).state_dict()
-                for key, value in self.ema_model.module.state_dict().items():
-                    value.data.copy_(current[key])
+            self._copy_model()
             return
         ema = self.ema_model
         steps = int(ema.steps) if self._steps is None else self._steps  # read once per load
@@ -182,6 +179,10 @@ class DeepSpeedEMAHook(EMAHook):
             return
         runner.logger.warning('The checkpoint has no ema_state_dict; EMAHook starts from the '
                               'resumed weights.')
+        self._copy_model()
+
+    def _copy_model(self) -> None:
+        """Set the averaged model to the model's gathered fp32 weights and buffers."""
         with gathered(self.src_model):
             current = _Fp32View(self.src_model).state_dict()
             for key, value in self.ema_model.module.state_dict().items():

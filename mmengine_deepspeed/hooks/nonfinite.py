@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch.distributed as torch_dist
-from mmengine.hooks import CheckpointHook, Hook
+from mmengine.hooks import Hook
 from typing_extensions import override
 
 from ..checkpoint.checkpointer import agreed_path
@@ -46,9 +46,10 @@ from ..checkpoint.layout import latest_complete
 from ..dist import cpu_group
 from ..engine.optim_wrapper import DeepSpeedOptimWrapper
 from ..engine.spec import named_wrappers
+from ..failure import AgreedExit
 from .agreement import Agreement, agreement_of, logging_interval
 from .failed_steps import FailedStep, NonFinitePolicy, is_loss_key
-from .preemption import at_update_boundary, save_preemption_checkpoint
+from .preemption import at_update_boundary, checkpoint_dir, save_preemption_checkpoint
 
 # The message hub's runtime-info key of the samples left out (saved with checkpoints).
 EXCLUDED_KEY = 'excluded_samples'
@@ -56,15 +57,6 @@ STEPS_FILE = 'nonfinite_steps.jsonl'
 EXCLUDED_FILE = 'excluded_samples.json'
 # The exit status of a run the policy stopped (a failure, not a success).
 STOP_STATUS = 3
-
-
-class NonFiniteStop(SystemExit):
-    """Every rank leaves ``train()`` together, after a checkpoint, with :data:`STOP_STATUS`.
-
-    ``agreed`` tells ``failure.py`` that this is no single rank's failure.
-    """
-
-    agreed = True
 
 
 class RollBack(Exception):
@@ -329,9 +321,9 @@ class NonFiniteHook(Hook):
     def _checkpoint_before(runner: Any, iteration: int) -> str:
         """The newest complete checkpoint taken after at most ``iteration`` iterations,
         rank 0's answer on every rank ('' for none)."""
-        hook = next((h for h in runner.hooks if isinstance(h, CheckpointHook)), None)
-        directory = getattr(hook, 'out_dir', None) or runner.work_dir
-        path = latest_complete(directory, at_most_iter=iteration) if runner.rank == 0 else None
+        path = None
+        if runner.rank == 0:
+            path = latest_complete(checkpoint_dir(runner), at_most_iter=iteration)
         return agreed_path(path or '')
 
     def _stop(self, runner: Any) -> None:
@@ -343,4 +335,4 @@ class NonFiniteHook(Hook):
                 f'it); see {osp.join(runner.work_dir, STEPS_FILE)} for the failed steps. '
                 'Resume with --resume (resume=True), with exclude_samples to leave their '
                 'samples out.')
-        raise NonFiniteStop(STOP_STATUS)
+        raise AgreedExit(STOP_STATUS)

@@ -42,20 +42,10 @@ from typing_extensions import override
 from ..checkpoint.layout import LAST_CHECKPOINT, write_text_atomic
 from ..compat import save_with_checkpoint_hook
 from ..engine.spec import named_wrappers
+from ..failure import AgreedExit
 from .agreement import Agreement, agreement_of
 
 DEFAULT_SIGNALS = ('SIGTERM', 'SIGUSR1')
-
-
-class Preempted(SystemExit):
-    """Every rank leaves ``train()`` together after the preemption checkpoint.
-
-    A ``SystemExit``: no traceback, and the process's exit status is
-    128 + the signal's number. ``agreed`` tells ``failure.py`` that this is
-    no single rank's failure.
-    """
-
-    agreed = True
 
 
 def _signal_numbers(names: Sequence[str]) -> list[signal.Signals]:
@@ -153,13 +143,24 @@ class PreemptionHook(Hook):
             f'{signal.Signals(number).name} reached rank{"s" if len(ranks) > 1 else ""} '
             f'{", ".join(map(str, ranks))}: stopped after iteration {runner.iter + 1} and saved '
             f'{path}; resume with --resume (resume=True) to continue exactly from there.')
-        raise Preempted(128 + number)
+        raise AgreedExit(128 + number)  # 128 + the signal, as a shell reports it
 
 
 def at_update_boundary(optim_wrapper: Any) -> bool:
     """Whether the last iteration updated the parameters (no accumulated gradients
     are pending, which a checkpoint would not hold)."""
     return all(w.should_update() for w in named_wrappers(optim_wrapper).values())
+
+
+def checkpoint_hook(runner: Any) -> Optional[CheckpointHook]:
+    """The run's CheckpointHook, whose ``out_dir`` and names the run's checkpoints take."""
+    return next((h for h in runner.hooks if isinstance(h, CheckpointHook)), None)
+
+
+def checkpoint_dir(runner: Any) -> str:
+    """Where the run's checkpoints go: CheckpointHook's ``out_dir``, else ``work_dir``."""
+    hook = checkpoint_hook(runner)
+    return getattr(hook, 'out_dir', None) or runner.work_dir
 
 
 def save_preemption_checkpoint(runner: Any) -> str:
@@ -175,14 +176,14 @@ def save_preemption_checkpoint(runner: Any) -> str:
     """
     step = runner.iter + 1
     meta = dict(epoch=runner.epoch, iter=step)
-    hook = next((h for h in runner.hooks if isinstance(h, CheckpointHook)), None)
+    hook = checkpoint_hook(runner)
     if hook is not None and not hook.by_epoch:
         path = osp.join(hook.out_dir, hook.filename_tmpl.format(step))
         # The same answer on every rank (the hook records its saves alike).
         if getattr(hook, 'last_ckpt', None) != path:
             save_with_checkpoint_hook(hook, runner, step, meta)
         return path
-    out_dir = hook.out_dir if hook is not None else runner.work_dir
+    out_dir = checkpoint_dir(runner)
     filename = f'iter_{step}.pth'
     runner.save_checkpoint(out_dir, filename, save_optimizer=getattr(hook, 'save_optimizer', True),
                            save_param_scheduler=getattr(hook, 'save_param_scheduler', True),

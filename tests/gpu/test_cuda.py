@@ -90,7 +90,7 @@ def test_preemption_then_exact_resume_with_cuda_randomness(tmp_path: Any) -> Non
     import mmengine_deepspeed  # noqa: F401
     import tests.dist.worker  # noqa: F401  registers SignalHook
     from mmengine_deepspeed.checkpoint.layout import is_complete
-    from mmengine_deepspeed.hooks.preemption import Preempted
+    from mmengine_deepspeed.failure import AgreedExit
     from tests.helpers import model_state, recorder, toy_config
 
     def runner_for(name: str, **extra: Any) -> Any:
@@ -106,7 +106,7 @@ def test_preemption_then_exact_resume_with_cuda_randomness(tmp_path: Any) -> Non
     expected = model_state(straight.model.module)
     hooks = [{'type': 'RecorderHook'}, {'type': 'SignalHook', 'at_iter': 5, 'rank': 0}]
     stopped = runner_for('stopped', custom_hooks=hooks)
-    with pytest.raises(Preempted) as exit_info:
+    with pytest.raises(AgreedExit) as exit_info:
         stopped.train()
     assert exit_info.value.code == 143
     assert is_complete(str(tmp_path / 'stopped' / 'iter_5.pth'))

@@ -13,10 +13,10 @@ from mmengine.hooks import Hook
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.runner.priority import get_priority
 
-from mmengine_deepspeed.failure import is_failure
+from mmengine_deepspeed.failure import AgreedExit, is_failure
 from mmengine_deepspeed.hooks.agreement import agreement_of
 from mmengine_deepspeed.hooks.monitor import ThroughputHook
-from mmengine_deepspeed.hooks.preemption import Preempted, PreemptionHook, at_update_boundary
+from mmengine_deepspeed.hooks.preemption import PreemptionHook, at_update_boundary
 from mmengine_deepspeed.hooks.registration import (
     added_hooks,
     deepspeed_default_hooks,
@@ -24,12 +24,12 @@ from mmengine_deepspeed.hooks.registration import (
 )
 
 
-def test_a_preemption_exit_is_no_failure_but_an_error_is() -> None:
-    assert not is_failure(Preempted(143))
+def test_an_agreed_exit_is_no_failure_but_an_error_is() -> None:
+    assert not is_failure(AgreedExit(143))
     assert not is_failure(SystemExit(0)) and not is_failure(SystemExit(None))
     assert is_failure(SystemExit(2)) and is_failure(RuntimeError('x'))
     assert is_failure(KeyboardInterrupt())
-    assert Preempted(143).code == 143
+    assert AgreedExit(143).code == 143
 
 
 def test_preemption_hook_refuses_bad_arguments() -> None:
