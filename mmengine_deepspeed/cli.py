@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help='export the EMA weights (runs with EMAHook)')
     convert.add_argument('--allow-unsafe', action='store_true',
                          help='load shards with full unpickling (trusted files only)')
-    inspect_cmd = sub.add_parser('inspect', help='describe a checkpoint directory')
-    inspect_cmd.add_argument('checkpoint', help='a DeepSpeedRunner checkpoint directory')
+    inspect_cmd = sub.add_parser('inspect', help='describe a checkpoint directory or weights file')
+    inspect_cmd.add_argument('checkpoint', help='a DeepSpeedRunner checkpoint directory, or '
+                             'a weights file (convert\'s .pth or .safetensors)')
     return parser
 
 
@@ -87,7 +88,12 @@ def train(args: argparse.Namespace) -> str:
 
 
 def describe(path: str) -> str:
-    """What ``inspect`` prints: the meta, completeness, size and shard files."""
+    """What ``inspect`` prints: the meta, completeness, size and shard files; for a
+    weights file (``convert``'s, or MMEngine's), its meta, tensors and size."""
+    if osp.isfile(path):
+        from .checkpoint.export import describe_weights
+
+        return '\n'.join(describe_weights(path))
     from .checkpoint.layout import (
         CheckpointError,
         check_checkpoint,

@@ -8,4 +8,7 @@ bash scripts/setup.sh
 ruff check .
 mypy
 # tests/openmmlab is its own tier (scripts/test_openmmlab.sh, in .venv-openmmlab).
-python -m pytest -q --durations=15 --ignore=tests/openmmlab "$@"
+# One line per test file, so the progress shows which part runs (the multi-rank files
+# under tests/dist take most of the time).
+echo "Running the whole suite: about 20-30 minutes on 2 CPU cores (RESULTS.md says where measured)."
+python -m pytest --durations=15 --ignore=tests/openmmlab "$@"

@@ -23,7 +23,7 @@ run draws from the global random streams exactly where MMEngine's Runner does
   worker reseeds python, numpy and torch from it before transforming that
   sample: a sample's random transform no longer depends on which worker
   fetched it or on what was skipped (and so differs from the one Runner's
-  per-worker streams give: README says so). Without workers the transforms
+  per-worker streams give: docs/differences.md says so). Without workers the transforms
   draw from the main process's stream, as with Runner, which the checkpoint
   restores as it was right after the last trained batch.
 

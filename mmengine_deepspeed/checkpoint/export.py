@@ -7,11 +7,16 @@ consolidated already. Runs on CPU without a process group.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
+import math
 import os
 import os.path as osp
 import pickle
+import re
+import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -37,6 +42,9 @@ from .layout import (
     shard_files,
 )
 from .safe_load import check_pickles, safe_load
+
+# A tqdm bar's line (``Loading checkpoint shards: 100%|██| 2/2 [00:00<00:00, ...]``).
+PROGRESS_BAR = re.compile(r'\d+/\d+ \[')
 
 
 def consolidated_state_dict(path: str, allow_unsafe: bool = False) -> dict[str, torch.Tensor]:
@@ -75,7 +83,15 @@ def _engine_state_dict(path: str, tag: str, stage: int,
     if stage == 0:
         module = safe_load(osp.join(path, tag, ZERO0_MODEL_FILE), allow_unsafe)['module']
         return {k: v.detach().cpu() for k, v in module.items()}
-    return dict(get_fp32_state_dict_from_zero_checkpoint(path, tag=tag))
+    # DeepSpeed prints what it parses to stdout and its progress bars to stderr: kept out
+    # of the caller's output (convert's is its one line), warnings and errors passed on
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) \
+            as said:
+        state = dict(get_fp32_state_dict_from_zero_checkpoint(path, tag=tag))
+    for line in said.getvalue().splitlines():
+        if not PROGRESS_BAR.search(line):
+            print(line, file=sys.stderr)
+    return state
 
 
 def cast_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype, standalone: bool,
@@ -164,10 +180,56 @@ def export_checkpoint(path: str, out: str, dtype: str = 'fp32', safetensors: boo
     meta = dict(meta, exported_dtype=dtype, exported_weights='ema' if ema else 'trained')
     if safetensors:
         from safetensors.torch import save_file
+        with open(out, 'wb'):  # the mode a file gets here (the umask's), as torch.save's
+            pass
+        mode = os.stat(out).st_mode
         save_file(state, out, metadata={'meta': json.dumps(meta, sort_keys=True)})
+        os.chmod(out, mode)  # safetensors writes its files 0600
     else:
         torch.save({'meta': meta, 'state_dict': state}, out)
     return out
+
+
+def describe_weights(path: str, allow_unsafe: bool = False) -> list[str]:
+    """What ``inspect`` says of a weights file (``convert``'s ``.pth`` or
+    ``.safetensors``, or any MMEngine checkpoint file): its meta, tensors and size.
+
+    Args:
+        path (str): The file.
+        allow_unsafe (bool): Skip the pickle allow-list. Defaults to False.
+
+    Returns:
+        list[str]: The lines to print.
+    """
+    if path.endswith('.safetensors'):
+        from safetensors import safe_open
+
+        with safe_open(path, framework='pt') as f:
+            meta = json.loads((f.metadata() or {}).get('meta', '{}'))
+            state = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118  no mapping
+        kind, loader = 'safetensors weights file', 'safetensors.torch.load_file'
+    else:
+        loaded = safe_load(path, allow_unsafe)
+        if not isinstance(loaded, dict):
+            raise CheckpointError(f'{path} holds a {type(loaded).__name__}, not a checkpoint.')
+        state = loaded.get(STATE_DICT_KEY, loaded)
+        meta = loaded.get(META_KEY) or {}
+        others = sorted(set(loaded) - {STATE_DICT_KEY, META_KEY}) if STATE_DICT_KEY in loaded \
+            else []
+        kind = 'weights file (torch pickle' + (f'; also {", ".join(others)})' if others else ')')
+        loader = 'mmengine.runner.load_checkpoint or load_from'
+    shapes = {key: (list(value.shape), str(value.dtype).replace('torch.', ''))
+              for key, value in state.items() if isinstance(value, torch.Tensor)}
+    elements = sum(math.prod(shape) for shape, _ in shapes.values())
+    dtypes = sorted({dtype for _, dtype in shapes.values()})
+    lines = [f'weights file: {path}', f'kind: {kind}; not a checkpoint directory (no optimizer '
+             f'state, no resume): load it with {loader}']
+    for key in ('epoch', 'iter', 'exported_dtype', 'exported_weights', 'zero_stage'):
+        if key in meta:
+            lines.append(f'{key}: {meta[key]}')
+    lines.append(f'tensors: {len(shapes)} ({elements:,} elements; {", ".join(dtypes)})')
+    lines.append(f'size: {osp.getsize(path) / 2**20:.2f} MiB')
+    return lines
 
 
 def publish_checkpoint(path: str, keys: Sequence[str], allow_unsafe: bool = False

@@ -109,6 +109,8 @@ def _after_training(work_dir: str) -> dict[str, Any]:
     checkpoint, _ = find_latest_complete(work_dir)
     if checkpoint is None:
         raise RuntimeError(f'training finished without a complete checkpoint in {work_dir}')
+    checkpoint = osp.join(work_dir, osp.relpath(checkpoint, work_dir))  # as the others: under
+    # work_dir as the user gave it
     weights = export_checkpoint(checkpoint, osp.join(work_dir, 'demo_gpt.pth'))
     curves = plot_run(work_dir, osp.join(work_dir, 'loss_curve.png'))
     val = read_scalars(work_dir)['val/nll']

@@ -56,7 +56,7 @@ UNTESTED_NOTE = (
     'ZeRO steps {name} on this rank\'s flat partition of each param group, slices of '
     'several parameters: an optimizer whose math reads a parameter\'s shape or its norm '
     '(LARS, LAMB, Adafactor...) computes something else there than on ZeRO-0. Known ones '
-    'are handled (README, "Optimizers"); check that {name} is element-wise.')
+    'are handled (docs/config.md, "Optimizers"); check that {name} is element-wise.')
 
 
 def check_for_zero(optimizer: Optional[Optimizer], stage: int,

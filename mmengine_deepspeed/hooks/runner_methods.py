@@ -67,7 +67,7 @@ class HookMethods(Runner):
         if fn_name in PHASE_ENDS and self.engine_specs.built:
             for engine in self.engine_specs.engines().values():
                 release_all(engine)
-        # both lists may be edited at any time (README: remove a hook from added_hooks)
+        # both lists may be edited at any time (docs/differences.md: remove a hook from added_hooks)
         listed = (*self.hooks, None, *self.added_hooks)
         if self._hook_order is None or listed != self._hook_order[0]:
             self._hook_order = (listed, in_priority_order(self.hooks, self.added_hooks))

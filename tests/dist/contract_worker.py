@@ -41,8 +41,9 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     name = scenario['name']
     cfg = toy_config(osp.join(out_dir, name), **scenario['cfg'])
     cfg['launcher'] = 'pytorch'
-    # Runners built in the same second would share MessageHub and the logger (README,
-    # Known limits), whose duplicate-warning filter would swallow a second run's warning.
+    # Runners built in the same second would share MessageHub and the logger
+    # (docs/troubleshooting.md, Known limits), whose duplicate-warning filter would swallow
+    # a second run's warning.
     cfg.setdefault('experiment_name', name)
     runner = DeepSpeedRunner.from_cfg(Config(cfg))
     result: dict[str, Any] = {}

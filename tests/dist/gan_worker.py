@@ -31,7 +31,8 @@ def _history(hub: Any, key: str) -> list[float]:
 def run(out_dir: str, scenario: dict[str, Any]) -> None:
     name, mode = scenario['name'], scenario.get('mode', 'train')
     cfg = gan_config(scenario.get('work_dir', osp.join(out_dir, name)), **scenario['cfg'])
-    # Runners built in the same second would share MessageHub's history (README, Known limits).
+    # Runners built in the same second would share MessageHub's history
+    # (docs/troubleshooting.md, Known limits).
     cfg.setdefault('experiment_name', name)
     # The plain reference runs in one process (launcher 'none', no DDP wrapper,
     # which would bypass the model's own train_step).

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import os.path as osp
+import stat
 import sys
 from typing import Any
 
@@ -234,6 +236,17 @@ def test_convert_exports_one_file_mmengine_loads(results: dict, out: str, fmt: s
     args = ['convert', osp.join(out, 'straight_z3', 'iter_8.pth'), target]
     proc = _cli(*args, *(['--safetensors'] if fmt == 'safetensors' else []))
     assert proc.returncode == 0, proc.stdout[-3000:]
+    # one line of its own: DeepSpeed's parsing messages and progress bars kept out
+    assert proc.stdout.strip().splitlines()[-1] == f'wrote {target}', proc.stdout
+    assert 'ZeroStageEnum' not in proc.stdout and 'checkpoint shards' not in proc.stdout
+    reference = osp.join(out, f'reference_mode.{fmt}')  # what the umask gives a new file
+    open(reference, 'w').close()
+    assert stat.S_IMODE(os.stat(target).st_mode) == stat.S_IMODE(os.stat(reference).st_mode)
+    described = _cli('inspect', target)
+    assert described.returncode == 0, described.stdout[-3000:]
+    for fragment in ('kind: ', 'not a checkpoint directory', 'iter: 8', 'zero_stage: 3',
+                     'exported_weights: trained', 'float32', 'MiB'):
+        assert fragment in described.stdout, described.stdout
     model = ToyModel()
     if fmt == 'pth':
         checkpoint = load_checkpoint(model, target, strict=True)

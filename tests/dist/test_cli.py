@@ -67,9 +67,13 @@ def test_bad_config_is_one_clear_line(tmp_path: Any) -> None:
 
 def test_demo_then_plot(tmp_path: Any) -> None:
     work = str(tmp_path / 'demo')
-    proc = cli('demo', '--max-iters', '20', '--work-dir', work)
+    given = osp.relpath(work, REPO_ROOT)  # the commands run in REPO_ROOT
+    proc = cli('demo', '--max-iters', '20', '--work-dir', given)
     assert proc.returncode == 0, proc.stdout[-6000:]
     out = proc.stdout
+    # every path in the summary as the user gave the work_dir
+    assert f'  checkpoint : {osp.join(given, "iter_20.pth")}\n' in out, out[-2000:]
+    assert f'  weights    : {osp.join(given, "demo_gpt.pth")} ' in out, out[-2000:]
     assert 'mmengine-deepspeed demo: 20 iterations, ZeRO-3, 2 processes' in out
     assert 'validation loss' in out and 'unigram baseline' in out
     assert 'sample     :' in out

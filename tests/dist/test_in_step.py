@@ -23,7 +23,7 @@ from tests.helpers import launch_scenarios, run_torchrun
 pytestmark = pytest.mark.dist
 
 WORLD = 2
-# no BatchNorm: DDP broadcasts rank 0's buffers every forward (README, Differences)
+# no BatchNorm: DDP broadcasts rank 0's buffers every forward (docs/differences.md)
 TEACHER = dict(model={'type': 'ToyTeacherModel', 'with_bn': False},
                optimizer={'type': 'AdamW', 'lr': 0.01},
                custom_hooks=[{'type': 'RecorderHook'}, {'type': 'GatherBetweenPhasesHook'}],

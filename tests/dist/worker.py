@@ -158,7 +158,8 @@ def run(out_dir: str, scenario: dict) -> None:
             None, '0'):  # the first attempt dies; a restart by the elastic agent does not
         _kill_rank1_during_save_at(scenario['kill_rank1_at_iter'], runner_box)
     cfg = toy_config(scenario.get('work_dir', osp.join(out_dir, name)), **scenario.get('cfg', {}))
-    # Runners built in the same second would share MessageHub's history (README, Known limits).
+    # Runners built in the same second would share MessageHub's history
+    # (docs/troubleshooting.md, Known limits).
     cfg.setdefault('experiment_name', name)
     if mode in ('test', 'test_reload'):
         cfg = _as_test_only(cfg)

@@ -272,6 +272,22 @@ def test_inspect_text_for_an_incomplete_checkpoint(tmp_path: Any) -> None:
     assert 'iter: 7' in text and 'complete: no (COMPLETE marker missing' in text
 
 
+def test_inspect_describes_a_weights_file_of_either_format(tmp_path: Any) -> None:
+    """A file is no checkpoint directory: inspect says what it holds and how to load it."""
+    import json
+
+    from safetensors.torch import save_file
+    state = {'fc.weight': torch.ones(3, 2), 'fc.bias': torch.zeros(3, dtype=torch.bfloat16)}
+    meta = {'iter': 8, 'zero_stage': 3, 'exported_dtype': 'fp32'}
+    torch.save({'meta': meta, 'state_dict': state}, str(tmp_path / 'w.pth'))
+    save_file(state, str(tmp_path / 'w.safetensors'), metadata={'meta': json.dumps(meta)})
+    for name, loader in (('w.pth', 'load_checkpoint'), ('w.safetensors', 'load_file')):
+        text = describe(str(tmp_path / name))
+        for fragment in ('not a checkpoint directory', loader, 'iter: 8', 'zero_stage: 3',
+                         'tensors: 2 (9 elements; bfloat16, float32)', 'MiB'):
+            assert fragment in text, (name, text)
+
+
 # --- the CheckpointHook behaviour our hook replaces -------------------------------
 
 class _ProbeRunner(Runner):

@@ -176,8 +176,8 @@ def test_nonfinite_hook_refuses_a_hub_it_cannot_observe(tmp_path: Any) -> None:
 
 
 def test_edits_of_added_hooks_take_effect_at_the_next_call(tmp_path: Any) -> None:
-    """README tells users to remove a hook from ``runner.added_hooks``: the order the runner
-    keeps between calls followed only ``runner.hooks``."""
+    """docs/differences.md tells users to remove a hook from ``runner.added_hooks``: the
+    order the runner keeps between calls followed only ``runner.hooks``."""
     from mmengine.hooks import Hook
 
     class Counting(Hook):

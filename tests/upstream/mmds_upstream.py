@@ -5,9 +5,9 @@
 PyPI's distribution has no tests) with this plugin loaded (``-p mmds_upstream``).
 Every ``Runner`` those tests build is then a :class:`DeepSpeedRunner` at the ZeRO stage
 of ``MMDS_UPSTREAM_STAGE`` (default 2), so MMEngine's expectations of its Runner are
-checked against ours. The intended differences (README, "Differences from MMEngine's
-Runner") are marked as expected failures, each with its reason; anything else that
-fails is a break of MMEngine's contract.
+checked against ours. The intended differences (docs/differences.md) are marked as
+expected failures, each with its reason; anything else that fails is a break of
+MMEngine's contract.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 STAGE = int(os.environ.get('MMDS_UPSTREAM_STAGE', '2'))
 
 DIRECTORY = ('a checkpoint is a directory (DeepSpeed shards per rank); the test opens it as '
-             'one file (README: "A checkpoint is a directory")')
+             'one file (docs/differences.md: "a checkpoint")')
 REMOTE = ('remote storage backends are refused with a message (checkpoints are written by '
           'every rank to a local or mounted directory)')
 PARTITIONED = ('under ZeRO-3 a parameter read outside the engine holds only this rank\'s '
