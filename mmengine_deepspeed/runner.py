@@ -27,10 +27,11 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from .checkpoint.checkpointer import Checkpointer
-from .checkpoint.data_order import resumable_loader
 from .checkpoint.state import rng_state, set_rng_state
 from .config.resolve import DsConfigSource
 from .config.runner_keys import switch
+from .data.loops import IndexedBatches, resumable_loop
+from .data.order import resumable_loader
 from .dist import cuda_available, init_distributed
 from .engine.activation import checkpointed_modules, has_section
 from .engine.build import left_unwrapped
@@ -41,7 +42,6 @@ from .failure import failing_together
 from .hooks.failed_steps import NonFinitePolicy, exclude_samples_of
 from .hooks.nonfinite import NonFiniteHook
 from .hooks.runner_methods import HookMethods
-from .loops import IndexedBatches, resumable_loop
 from .message_hub import MessageHubMethods
 from .plan.census import import_scope
 from .plan.planner import predicted_peak_mib
@@ -228,7 +228,7 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
                 'restores its epoch and iteration as MMEngine does, not its position in the '
                 'epoch\'s data nor the workers\' random streams, and a non-finite step cannot '
                 'be rolled back (its samples are not known). For those, derive it from '
-                'mmengine_deepspeed.loops.ResumableEpochBasedTrainLoop or '
+                'mmengine_deepspeed.data.loops.ResumableEpochBasedTrainLoop or '
                 'ResumableIterBasedTrainLoop.')
         return built
 
@@ -236,7 +236,7 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
     @staticmethod
     def build_dataloader(dataloader: Union[DataLoader, dict], seed: Optional[int] = None,
                          diff_rank_seed: bool = False) -> DataLoader:
-        """MMEngine's ``build_dataloader``, its workers seeding each sample (``data_order.py``).
+        """MMEngine's ``build_dataloader``, its workers seeding each sample (``data/order.py``).
 
         A sample's random transform in a worker then depends on the sample, not on
         which worker fetched it or what a resumed run skipped.

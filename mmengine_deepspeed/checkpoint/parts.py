@@ -202,7 +202,7 @@ class IteratorStreamsPart:
     """The random streams the current epoch's DataLoader iterator was created from.
 
     Per rank: a run resumed inside that epoch creates its iterator from them
-    (``data_order.create_iterator``). Loops without the attribute save nothing.
+    (``data/order.create_iterator``). Loops without the attribute save nothing.
     """
 
     loop: Any

@@ -146,7 +146,7 @@ PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
      'overridden: publishing from a checkpoint directory (tests/dist/test_checkpoint_hook.py)'),
     ('mmengine.runner.loops', None, '_InfiniteDataloaderIterator',
      'subclassed: the iteration loop\'s iterator keeps MMEngine\'s type '
-     '(tests/unit/test_checkpoint_data_order.py)'),
+     '(tests/unit/test_data_order.py)'),
     ('mmengine.hooks', 'EMAHook', '_ema_started',
      'whether EMA averaging began (tests/dist/test_checkpoint.py EMA cases)'),
     ('mmengine.runner', 'Runner', '_init_model_weights',

@@ -6,7 +6,7 @@ from typing import Any, Callable, cast
 from mmengine.runner.loops import _InfiniteDataloaderIterator
 
 # IterBasedTrainLoop.dataloader_iterator's type, which code (and MMEngine's own tests)
-# checks: the resumable loop's iterator subclasses it (tests/unit/test_checkpoint_data_order.py).
+# checks: the resumable loop's iterator subclasses it (tests/unit/test_data_order.py).
 InfiniteDataloaderIterator = _InfiniteDataloaderIterator
 
 

@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ('checkpoint',),
     ('plan',),
     ('hooks', 'message_hub'),
-    ('loops', 'runner_checkpoint', 'runner_engines'),
+    ('data', 'runner_checkpoint', 'runner_engines'),
     ('runner',),
     ('plot', 'launch'),
     ('training',),

@@ -1,4 +1,4 @@
-"""checkpoint/data_order.py and the loops' iterators (loops.py): the resumable data stream,
+"""data/order.py and the loops' iterators (data/iterator.py): the resumable data stream,
 in one process."""
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from mmengine.runner import Runner
 from torch.utils.data import DataLoader, Dataset
 
 from mmengine_deepspeed import DeepSpeedRunner
-from mmengine_deepspeed.checkpoint.data_order import (
+from mmengine_deepspeed.compat import InfiniteDataloaderIterator
+from mmengine_deepspeed.data.iterator import EpochIterator
+from mmengine_deepspeed.data.order import (
     ResumableSampler,
     SampleIndex,
     SeedingWorkerInit,
@@ -28,8 +30,6 @@ from mmengine_deepspeed.checkpoint.data_order import (
     seed_workers,
     stream_seed,
 )
-from mmengine_deepspeed.compat import InfiniteDataloaderIterator
-from mmengine_deepspeed.loops import EpochIterator
 from tests.helpers import ToyDataset  # noqa: F401  registers it
 
 

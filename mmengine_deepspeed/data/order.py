@@ -54,7 +54,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
 from typing_extensions import override
 
-from .state import rng_state, set_rng_state
+from ..checkpoint.state import rng_state, set_rng_state
 
 
 def stream_seed(*parts: int) -> int:

@@ -5,7 +5,7 @@ first batch (a checkpoint taken by iteration inside an epoch replays data),
 and its ``IterBasedTrainLoop`` resumes by loading and dropping one batch per
 trained iteration (80,000 batches decoded and augmented before the first step
 of a resumed MMSegmentation schedule). These loops skip the batches already
-trained on at the sampler (``data_order.py``): the sample order is the same
+trained on at the sampler (``order.py``): the sample order is the same
 (the sampler is seeded by seed and epoch), nothing skipped is loaded, and the
 time to the first resumed step does not grow with the resume point.
 DeepSpeedRunner uses them wherever a config asks for MMEngine's loops.
@@ -14,7 +14,8 @@ They draw from the global random streams where MMEngine's loops do (an
 epoch's iterator is created at its start; the iteration loop's first one when
 the loop is built), and record the streams each iterator was created from, so a
 run resumed inside an epoch creates that epoch's iterator as the uninterrupted
-run did (``data_order.create_iterator``).
+run did (``order.create_iterator``); the iteration loop's iterator is
+``iterator.EpochIterator``.
 
 Validation inside training draws from the training's streams, as with Runner.
 A checkpoint is taken just before such a validation, so each rank rewrites its
@@ -24,21 +25,20 @@ that never stopped went on from.
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Optional, cast
 
-from mmengine.dataset import InfiniteSampler
 from mmengine.registry import LOOPS
 from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from .checkpoint.data_order import ResumableSampler, create_iterator, make_resumable
-from .checkpoint.state import rng_state
-from .compat import InfiniteDataloaderIterator, diff_rank_seed, set_loop_position
-from .engine.spec import named_wrappers
-from .engine.wrapper import released_guard
-from .hooks.nonfinite import EXCLUDED_KEY, RollBack
+from ..checkpoint.state import rng_state
+from ..compat import diff_rank_seed, set_loop_position
+from ..engine.spec import named_wrappers
+from ..engine.wrapper import released_guard
+from ..hooks.nonfinite import EXCLUDED_KEY, RollBack
+from .iterator import EpochIterator
+from .order import ResumableSampler, create_iterator, make_resumable
 
 
 def resumable_loop(loop: Any) -> Any:
@@ -174,104 +174,6 @@ def _log_skip(runner: Any, batches: int, where: str, at_sampler: bool) -> None:
                        f'{where}already trained on, {how}.')
 
 
-class EpochIterator(InfiniteDataloaderIterator):
-    """MMEngine's ``_InfiniteDataloaderIterator`` (batches forever, epoch after epoch),
-    able to start at any iteration without loading the batches before it.
-
-    As MMEngine's, it creates its first DataLoader iterator when it is built
-    and each next one when an epoch ends; it records the random streams each
-    was created from (:attr:`streams`).
-
-    Args:
-        loader (DataLoader): The train dataloader.
-        sampler (ResumableSampler, optional): Its wrapped sampler; None where
-            ``make_resumable`` left the loader as it was: batches are then loaded to
-            be skipped.
-        started (_InfiniteDataloaderIterator, optional): MMEngine's iterator over
-            ``loader``, whose first DataLoader iterator this one goes on with.
-            Defaults to None (create one now).
-        streams (dict, optional): The random streams ``started`` was created
-            from. Defaults to None.
-    """
-
-    def __init__(self, loader: DataLoader, sampler: Optional[ResumableSampler],
-                 started: Optional[InfiniteDataloaderIterator] = None,
-                 streams: Optional[dict] = None):
-        self.sampler = sampler
-        self._skip = 0
-        self._batch = 0  # the next batch's number in its epoch's pass
-        self.position = (0, -1)  # (epoch, batch number) of the batch last returned
-        self._forwarding = 0
-        self._restart = self._from_saved = False
-        # MMEngine's __init__ (not called) sets these three and creates an iterator,
-        # which _start() does here, recording the streams it was created from.
-        self._dataloader, self._epoch = loader, 0
-        self.streams = streams
-        if started is None:
-            self._start()
-        else:  # MMEngine's, built by IterBasedTrainLoop: go on with its DataLoader iterator
-            self._iterator = started._iterator
-
-    def fast_forward(self, iterations: int) -> None:
-        """Make the next ``iterations`` calls return None without loading anything, and
-        the one after them the batch that iteration ``iterations`` would have seen, from
-        an iterator created from the streams of that epoch's (once :attr:`streams` holds
-        them: the checkpoint restores them after this call)."""
-        if self.sampler is None or not iterations:
-            return  # MMEngine's loop loads and drops them, which stays exact
-        self._forwarding = iterations
-        per_epoch = len(self._dataloader)
-        if isinstance(self.sampler.sampler, InfiniteSampler) or not per_epoch:
-            self._epoch, within = 0, iterations  # one endless pass
-        else:
-            self._epoch, within = divmod(iterations, per_epoch)
-        self._skip = within * int(self._dataloader.batch_size or 1)
-        # At an epoch's start the run that never stopped created the iterator when the
-        # first batch was asked for, from the streams of that moment: so does this one.
-        self._restart = True
-        self._from_saved = within > 0
-
-    def _start(self, streams: Optional[dict] = None) -> None:
-        sampler = self._dataloader.sampler
-        if hasattr(sampler, 'set_epoch'):
-            sampler.set_epoch(self._epoch)
-        if self.sampler is not None:
-            self.sampler.begin(self._epoch, self._skip)
-        self._batch = self._skip // int(self._dataloader.batch_size or 1)
-        self._skip = 0
-        self._iterator, self.streams = create_iterator(self._dataloader, streams)
-
-    def go_on_here(self) -> None:
-        """Return the batch of the iteration :meth:`fast_forward` was given at the next
-        call, without the calls that return None (a rollback inside the loop's ``run()``,
-        which does not advance the iterator again)."""
-        self._forwarding = 0
-
-    @override
-    def __iter__(self) -> EpochIterator:
-        return self
-
-    @override
-    def __next__(self) -> Any:
-        if self._forwarding:
-            self._forwarding -= 1
-            return None
-        if self._restart:
-            self._restart = False
-            self._start(self.streams if self._from_saved else None)
-        try:
-            batch = next(self._iterator)
-        except StopIteration:
-            self._epoch += 1
-            if self._dataloader.num_workers > 0:
-                time.sleep(2)  # as MMEngine: workers can deadlock on an immediate restart
-            self._start()
-            batch = next(self._iterator)
-        self.position = (self._epoch, self._batch)
-        self._batch += 1
-        return batch
-
-
 @LOOPS.register_module()
 class ResumableIterBasedTrainLoop(IndexedBatches, IterBasedTrainLoop):
     """:class:`mmengine.runner.IterBasedTrainLoop` whose resume loads no skipped batch."""
@@ -317,6 +219,13 @@ class ResumableIterBasedTrainLoop(IndexedBatches, IterBasedTrainLoop):
         return cast(EpochIterator, self._ours).position  # read every iteration: no property
 
     @override
+    def run(self) -> Any:
+        """MMEngine's ``run()``, whose advance over the trained iterations (a ``next()`` per
+        iteration, dropped) loads nothing: the restore already started the iterator there."""
+        self.dataloader_iterator.pass_over(self.iter)
+        return super().run()
+
+    @override
     def run_iter(self, data_batch: Any) -> None:
         """MMEngine's iteration; after a rollback, the loop goes on from the restored
         checkpoint's iteration (MMEngine's ``run()`` asks for the next batch)."""
@@ -324,11 +233,11 @@ class ResumableIterBasedTrainLoop(IndexedBatches, IterBasedTrainLoop):
             super().run_iter(data_batch)
         except RollBack as rollback:
             roll_back(self, rollback)
-            self.dataloader_iterator.go_on_here()
 
     def skip_trained_batches(self) -> None:
-        """Arrange for ``run()``'s fast-forward over the trained iterations to load nothing."""
+        """Start the iterator at the restored iteration (a resume, or a rollback), loading
+        none of the batches before it."""
         iterator = self.dataloader_iterator
-        iterator.fast_forward(self.iter)
+        iterator.start_at(self.iter)
         if self.iter:
             _log_skip(self.runner, self.iter, '', iterator.sampler is not None)
