@@ -25,6 +25,7 @@ that never stopped went on from.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Optional, cast
 
 from mmengine.registry import LOOPS
@@ -83,6 +84,21 @@ class IndexedBatches:
     def resumable_sampler(self) -> Optional[ResumableSampler]:
         """The sampler wrapper (None for a custom batch sampler)."""
         return cast(Optional[ResumableSampler], getattr(self, '_sampler', None))
+
+    def leave_out(self, indices: Iterable[int]) -> None:
+        """Leave the dataset ``indices`` (all of them: not only new ones) out of every pass
+        from the next batch on, and keep them in the message hub, which checkpoints save.
+
+        Raises:
+            RuntimeError: For a custom batch sampler or an IterableDataset, which no
+                sampler of ours wraps (``NonFiniteHook`` says so before training).
+        """
+        sampler = self.resumable_sampler
+        if sampler is None:
+            raise RuntimeError('Leaving samples out needs the loader\'s default batch sampler, '
+                               'which this loop lacks.')
+        sampler.exclude(indices)
+        self.runner.message_hub.update_info(EXCLUDED_KEY, sorted(sampler.excluded))
 
     def given_out(self, position: tuple[int, int]) -> Optional[list[int]]:
         """The dataset indices of the batch at ``position`` (epoch, batch number in that
@@ -156,12 +172,8 @@ def roll_back(loop: Any, rollback: RollBack) -> None:
     """Restore ``rollback.path`` on every rank and leave ``rollback.excluded`` out from
     there on (collective: every rank raised the same :class:`RollBack`)."""
     runner = loop.runner
-    sampler = loop.resumable_sampler
-    if sampler is None:  # NonFiniteHook rolls back only where a sampler can exclude
-        raise RuntimeError('A rollback needs the default batch sampler, which this loop lacks.')
-    sampler.exclude(rollback.excluded)
     runner.checkpointer.restore(rollback.path)
-    runner.message_hub.update_info(EXCLUDED_KEY, sorted(rollback.excluded))
+    loop.leave_out(rollback.excluded)  # after the restore, which put the hub's older list back
     for wrapper in named_wrappers(runner.optim_wrapper).values():
         wrapper.initialize_count_status(runner.model, loop.iter, loop.max_iters)
 

@@ -126,8 +126,7 @@ class NonFiniteHook(Hook):
         self._loss_scaled = {w.skipped_steps_key for w in wrappers if w.engine.fp16_enabled()}
         self.excluded |= set(hub.runtime_info.get(EXCLUDED_KEY, []))
         if self.excluded:
-            sampler = getattr(runner.train_loop, 'resumable_sampler', None)
-            if sampler is None:
+            if getattr(runner.train_loop, 'resumable_sampler', None) is None:
                 raise ValueError(
                     'exclude_samples needs MMEngine\'s train loops and the loader\'s default '
                     'batch sampler (a sampler DeepSpeedRunner can wrap); this run has a custom '
@@ -140,8 +139,7 @@ class NonFiniteHook(Hook):
                     f'{"..." if len(beyond) > 10 else ""}, past the end of the training '
                     f'dataset ({size} samples: indices 0-{size - 1}); give indices of this '
                     'dataset (excluded_samples.json of a rollback of this config lists them).')
-            sampler.exclude(self.excluded)
-            hub.update_info(EXCLUDED_KEY, sorted(self.excluded))
+            runner.train_loop.leave_out(self.excluded)
             runner.logger.info(f'Leaving out {len(self.excluded)} samples of the training '
                                f'data (exclude_samples): {sorted(self.excluded)[:20]}'
                                f'{"..." if len(self.excluded) > 20 else ""}')
