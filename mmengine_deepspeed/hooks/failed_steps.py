@@ -3,12 +3,16 @@
 :class:`NonFinitePolicy` is the ``nonfinite`` config key, checked when the runner is
 built; :class:`FailedStep` is one iteration whose step failed as every rank saw it: what
 the log says about it, the line of ``nonfinite_steps.jsonl``, and the samples a rollback
-leaves out.
+leaves out; :class:`FailedStepWatch` is what one rank sees of them and the policy's limits.
 """
 from __future__ import annotations
 
+import collections
 import json
+import math
 import os.path as osp
+import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -142,3 +146,109 @@ class FailedStep:
                     losses={str(r): {k: str(v) for k, v in keys.items()}
                             for r, keys in self.losses.items()},
                     spikes=self.spikes, batches={str(r): v for r, v in self.batches.items()})
+
+
+class FailedStepWatch:
+    """What one rank sees of failed steps: updates DeepSpeed skipped, losses that were not
+    finite and loss spikes, from the skip counts and losses the message hub hands it, and
+    whether the policy's limits are reached.
+
+    What this rank saw since the last report is :meth:`take`-n for the report (which
+    gathers every rank's); the limits count the reported steps of every rank.
+
+    Args:
+        policy (NonFinitePolicy): The limits and the spike check.
+        counts (dict[str, float]): Each optimizer's skip-count key and its count now.
+            Defaults to none.
+        loss_scaled (Iterable[str]): Skip-count keys of fp16 engines, whose updates
+            DeepSpeed's loss scaler skips with finite losses: counted, not failed steps.
+            Defaults to none.
+    """
+
+    def __init__(self, policy: NonFinitePolicy, counts: Optional[dict[str, float]] = None,
+                 loss_scaled: Iterable[str] = ()):
+        self.policy = policy
+        self.counts: dict[str, float] = dict(counts or {})
+        self.loss_scaled = frozenset(loss_scaled)
+        self._consecutive: collections.Counter = collections.Counter()
+        self._recent: collections.deque[int] = collections.deque()  # reported skips
+        self._losses: collections.deque[float] = collections.deque(maxlen=policy.spike_window)
+        self._skips: list[int] = []
+        self._bad: dict[int, dict[str, float]] = {}
+        self._spikes: list[int] = []
+
+    @staticmethod
+    def watches(key: str) -> bool:
+        """The message hub keys :meth:`observe` acts on: skip counts and losses."""
+        return key.endswith('skipped_steps') or is_loss_key(key)
+
+    def observe(self, key: str, iteration: int, value: float) -> None:
+        """One logged value: a skip count (an update skipped when it grows) or a loss."""
+        if key.endswith('skipped_steps'):
+            last = self.counts.get(key, 0.0)
+            self.counts[key] = value
+            if key in self.loss_scaled:
+                return
+            if value > last:
+                self._skips.append(iteration)
+                self._consecutive[key] += 1
+            else:
+                self._consecutive[key] = 0
+        elif is_loss_key(key):
+            if not math.isfinite(value):
+                self._bad.setdefault(iteration, {})[key] = value
+            elif key == 'train/loss' and self.policy.spike_zscore is not None:
+                self._check_spike(iteration, value)
+
+    def _check_spike(self, iteration: int, value: float) -> None:
+        window = self._losses
+        if len(window) == window.maxlen:
+            spread = statistics.pstdev(window)
+            if spread > 0 and (value - statistics.fmean(window)) / spread \
+                    > float(self.policy.spike_zscore or 0):
+                self._spikes.append(iteration)
+                return  # a spike stays out of the window it is measured against
+        window.append(value)
+
+    @property
+    def seen(self) -> bool:
+        """Whether this rank saw a failed step since the last :meth:`take`."""
+        return bool(self._bad or self._skips or self._spikes)
+
+    @property
+    def skipped(self) -> int:
+        """Updates skipped so far (every optimizer's, loss scaling's included)."""
+        return int(sum(self.counts.values()))
+
+    def take(self) -> dict[str, Any]:
+        """This rank's failed steps since the last call, and forget them: ``skips`` (the
+        iterations of skipped updates), ``bad`` (iteration -> non-finite losses by key) and
+        ``spikes`` (iterations)."""
+        seen = dict(skips=sorted(set(self._skips)), bad=self._bad, spikes=self._spikes)
+        self._skips, self._bad, self._spikes = [], {}, []
+        return seen
+
+    def reported(self, steps: Iterable[FailedStep], iteration: int) -> None:
+        """Count the skipped updates among ``steps`` (every rank's) toward ``max_skipped``
+        within the window that ends at ``iteration``."""
+        self._recent.extend(step.iteration for step in steps if step.skipped)
+        while self._recent and self._recent[0] <= iteration - self.policy.window:
+            self._recent.popleft()
+
+    def limit_reached(self) -> Optional[str]:
+        """Which limit the skipped updates reached, in words; None below both."""
+        key, most = max(self._consecutive.items(), key=lambda kv: kv[1], default=('', 0))
+        if most >= self.policy.max_consecutive:
+            name = key.removeprefix('train/').removesuffix('skipped_steps').rstrip('.')
+            return (f'{most} consecutive update{"s" if most > 1 else ""} '
+                    f'{f"of {name} " if name else ""}skipped '
+                    f'(max_consecutive={self.policy.max_consecutive})')
+        if len(self._recent) >= self.policy.max_skipped:
+            return (f'{len(self._recent)} updates skipped within {self.policy.window} '
+                    f'iterations (max_skipped={self.policy.max_skipped})')
+        return None
+
+    def restart_limits(self) -> None:
+        """Count toward the limits from zero (after a rollback)."""
+        self._consecutive.clear()
+        self._recent.clear()

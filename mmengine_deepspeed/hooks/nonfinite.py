@@ -29,11 +29,8 @@ last good state: no checkpoint holds a NaN, and none is rotated away by a bad on
 """
 from __future__ import annotations
 
-import collections
 import json
-import math
 import os.path as osp
-import statistics
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -48,7 +45,7 @@ from ..engine.optim_wrapper import DeepSpeedOptimWrapper
 from ..engine.spec import named_wrappers
 from ..failure import AgreedExit
 from .agreement import Agreement, agreement_of, logging_interval
-from .failed_steps import FailedStep, NonFinitePolicy, is_loss_key
+from .failed_steps import FailedStep, FailedStepWatch, NonFinitePolicy
 from .preemption import at_update_boundary, checkpoint_dir, save_preemption_checkpoint
 
 # The message hub's runtime-info key of the samples left out (saved with checkpoints).
@@ -88,25 +85,16 @@ class NonFiniteHook(Hook):
         self.rollbacks = 0
         self._observing: Any = None  # the DeferredMessageHub observed (message_hub.py)
         self._agreement: Optional[Agreement] = None  # the run's, from before_train
-        self._reset()
+        self._reset(FailedStepWatch(policy))
 
-    def _reset(self) -> None:
-        self._counts: dict[str, float] = {}
-        self._loss_scaled: set[str] = set()
-        self._consecutive: collections.Counter = collections.Counter()
-        self._skips: list[int] = []  # iterations of skipped updates, not yet reported
-        self._bad: dict[int, dict[str, float]] = {}  # this rank's non-finite losses
-        self._spikes: list[int] = []
-        self._losses: collections.deque[float] = collections.deque(
-            maxlen=self.policy.spike_window)
+    def _reset(self, watch: FailedStepWatch) -> None:
+        self._watch = watch
         self._positions: dict[int, tuple[int, int]] = {}
-        self._recent: collections.deque[int] = collections.deque()  # skips within window
         self._unresolved: list[FailedStep] = []  # since the last rollback
         self._stopping: Optional[str] = None
 
     @override
     def before_train(self, runner: Any) -> None:
-        self._reset()
         hub = runner.message_hub
         if not (hasattr(hub, 'observe') and hasattr(hub, 'read_pending')):
             raise TypeError(
@@ -115,15 +103,15 @@ class NonFiniteHook(Hook):
                 'Leave build_message_hub to DeepSpeedRunner, or derive your hub from '
                 'mmengine_deepspeed.message_hub.DeferredMessageHub.')
         if self._observing is not hub:
-            hub.observe(self._observe, self._observed_key)
+            hub.observe(self._observe, FailedStepWatch.watches)
             self._observing = hub
         wrappers = [w for w in named_wrappers(runner.optim_wrapper).values()
                     if isinstance(w, DeepSpeedOptimWrapper)]
-        for wrapper in wrappers:
-            self._counts[wrapper.skipped_steps_key] = wrapper.step_check.count_now()
         # fp16: an update skipped with finite losses is DeepSpeed's loss scaler at work
         # (which ends the run itself at its minimum scale), not a failed step
-        self._loss_scaled = {w.skipped_steps_key for w in wrappers if w.engine.fp16_enabled()}
+        self._reset(FailedStepWatch(
+            self.policy, {w.skipped_steps_key: w.step_check.count_now() for w in wrappers},
+            loss_scaled=[w.skipped_steps_key for w in wrappers if w.engine.fp16_enabled()]))
         self.excluded |= set(hub.runtime_info.get(EXCLUDED_KEY, []))
         if self.excluded:
             if getattr(runner.train_loop, 'resumable_sampler', None) is None:
@@ -150,43 +138,14 @@ class NonFiniteHook(Hook):
             if (runner.iter + 1) % self._interval == 0:
                 hub.read_pending()  # the read LoggerHook makes at this iteration anyway
             # the same decision to gather on every rank, whatever each has read so far
-            seen = bool(self._bad or self._skips or self._spikes)
+            seen = self._watch.seen
             return [float(rank == runner.rank and seen) for rank in range(world)]
 
         self._agreement = agreement_of(runner)
         self._agreement.provide('nonfinite', flags)
 
-    @staticmethod
-    def _observed_key(key: str) -> bool:
-        """The hub keys :meth:`_observe` acts on: skip counts and losses."""
-        return key.endswith('skipped_steps') or is_loss_key(key)
-
     def _observe(self, key: str, iteration: int, value: float) -> None:
-        if key.endswith('skipped_steps'):
-            last = self._counts.get(key, 0.0)
-            self._counts[key] = value
-            if key in self._loss_scaled:
-                return
-            if value > last:
-                self._skips.append(iteration)
-                self._consecutive[key] += 1
-            else:
-                self._consecutive[key] = 0
-        elif is_loss_key(key):
-            if not math.isfinite(value):
-                self._bad.setdefault(iteration, {})[key] = value
-            elif key == 'train/loss' and self.policy.spike_zscore is not None:
-                self._check_spike(iteration, value)
-
-    def _check_spike(self, iteration: int, value: float) -> None:
-        window = self._losses
-        if len(window) == window.maxlen:
-            spread = statistics.pstdev(window)
-            if spread > 0 and (value - statistics.fmean(window)) / spread \
-                    > float(self.policy.spike_zscore or 0):
-                self._spikes.append(iteration)
-                return  # a spike stays out of the window it is measured against
-        window.append(value)
+        self._watch.observe(key, iteration, value)  # the hub's observer, for the run's watch
 
     @override
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
@@ -214,24 +173,19 @@ class NonFiniteHook(Hook):
         # on every rank
         steps = self._gather(runner)
         self._positions.clear()
-        self._skips, self._bad, self._spikes = [], {}, []
-        for step in steps:
-            if step.skipped:
-                self._recent.append(step.iteration)
-        while self._recent and self._recent[0] <= runner.iter - self.policy.window:
-            self._recent.popleft()
+        self._watch.reported(steps, runner.iter)
         if self.policy.policy == 'rollback':
             self._unresolved += steps
         if runner.rank == 0:
             with open(osp.join(runner.work_dir, STEPS_FILE), 'a', encoding='utf-8') as f:
                 for step in steps:
                     f.write(json.dumps(step.record()) + '\n')
-        limit = self._limit_reached()
+        limit = self._watch.limit_reached()
         spiked = any(step.spikes for step in steps)
         said = '\n'.join(f'  {step.describe()}' for step in steps)
         runner.logger.warning(
             f'Steps that were not finite (skipped updates so far: '
-            f'{int(sum(self._counts.values()))}; details in '
+            f'{self._watch.skipped}; details in '
             f'{osp.join(runner.work_dir, STEPS_FILE)}):\n{said}')
         if self.policy.policy == 'stop':
             self._stopping = 'nonfinite.policy="stop"'
@@ -243,13 +197,13 @@ class NonFiniteHook(Hook):
 
     def _gather(self, runner: Any) -> list[FailedStep]:
         """Every rank's view of the failed iterations (collective; on failures only)."""
-        mine_iterations = set(self._skips) | set(self._bad) | set(self._spikes)
+        mine = self._watch.take()
+        mine_iterations = set(mine['skips']) | set(mine['bad']) | set(mine['spikes'])
         loop = runner.train_loop
         given_out = getattr(loop, 'given_out', None)
-        batches = {it: (given_out(self._positions[it]) if given_out is not None
-                        and it in self._positions else None) for it in mine_iterations}
-        mine = dict(rank=runner.rank, skips=sorted(set(self._skips)), bad=self._bad,
-                    spikes=self._spikes, batches=batches)
+        mine.update(rank=runner.rank, batches={
+            it: (given_out(self._positions[it]) if given_out is not None
+                 and it in self._positions else None) for it in mine_iterations})
         views: list[Any] = [mine]
         if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
             views = [None] * torch_dist.get_world_size()
@@ -268,18 +222,6 @@ class NonFiniteHook(Hook):
                 # each rank's batch of every failed iteration: gradients alone exclude all
                 step.batches[view['rank']] = view['batches'].get(it)
         return [steps[it] for it in sorted(steps)]
-
-    def _limit_reached(self) -> Optional[str]:
-        key, most = max(self._consecutive.items(), key=lambda kv: kv[1], default=('', 0))
-        if most >= self.policy.max_consecutive:
-            name = key.removeprefix('train/').removesuffix('skipped_steps').rstrip('.')
-            return (f'{most} consecutive update{"s" if most > 1 else ""} '
-                    f'{f"of {name} " if name else ""}skipped '
-                    f'(max_consecutive={self.policy.max_consecutive})')
-        if len(self._recent) >= self.policy.max_skipped:
-            return (f'{len(self._recent)} updates skipped within {self.policy.window} '
-                    f'iterations (max_skipped={self.policy.max_skipped})')
-        return None
 
     def _roll_back(self, runner: Any, reason: str) -> None:
         """Raise :class:`RollBack` on every rank, or return where none can be taken (the
@@ -302,8 +244,7 @@ class NonFiniteHook(Hook):
         self.excluded |= excluded
         self.rollbacks += 1
         self._unresolved = []
-        self._consecutive.clear()
-        self._recent.clear()
+        self._watch.restart_limits()
         if runner.rank == 0:
             with open(osp.join(runner.work_dir, EXCLUDED_FILE), 'w', encoding='utf-8') as f:
                 json.dump(sorted(self.excluded), f)
