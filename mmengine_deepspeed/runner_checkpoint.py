@@ -21,16 +21,7 @@ from typing_extensions import override
 
 from .checkpoint.checkpointer import Checkpointer, Collaborators
 from .checkpoint.layout import META_KEY, CheckpointError
-from .checkpoint.parts import (
-    IteratorStreamsPart,
-    LoopPart,
-    MessageHubPart,
-    OutsideEnginesPart,
-    ParamGroupsPart,
-    Part,
-    RankStatePart,
-    SchedulersPart,
-)
+from .checkpoint.parts import Part, run_parts
 from .checkpoint.save import save_failure
 from .checkpoint.state import plain
 from .compat import randomness_cfg
@@ -73,16 +64,11 @@ class CheckpointMethods(Runner):
         loop = self.train_loop
         schedule = ('' if loop is None else f'max_epochs={self.max_epochs}'
                     if isinstance(loop, EpochBasedTrainLoop) else f'max_iters={self.max_iters}')
-        return [
-            ParamGroupsPart(named_wrappers(self.optim_wrapper) if self.engine_specs.training
-                            else {}),
-            OutsideEnginesPart(self.bare_model, self.engine_specs.modules()),
-            LoopPart(loop, meta or {}),
-            MessageHubPart(self.message_hub),
-            SchedulersPart(self.param_schedulers, schedule, self.logger, save_param_scheduler),
-            RankStatePart(self.bare_model),
-            IteratorStreamsPart(loop),
-        ]
+        return run_parts(
+            wrappers=named_wrappers(self.optim_wrapper) if self.engine_specs.training else {},
+            model=self.bare_model, modules=self.engine_specs.modules(), loop=loop,
+            hub=self.message_hub, schedulers=self.param_schedulers, schedule=schedule,
+            logger=self.logger, meta=meta, save_param_scheduler=save_param_scheduler)
 
     def _dataset_meta(self) -> Any:
         """The training dataset's ``metainfo`` (None for a runner without training)."""

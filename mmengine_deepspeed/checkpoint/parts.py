@@ -4,9 +4,9 @@ Each part is a small adapter with one key of the client state (or, for the
 per-rank part, a file of its own), a ``state_dict()`` that says what is
 saved (None: nothing, this time) and a ``load_state_dict()`` that puts it
 back: save and load mirror each other by construction, and the checkpoint
-code sees the objects a part needs, never the runner. The runner lists its
-parts (``DeepSpeedRunner.checkpoint_parts``); the engines' own state goes
-through DeepSpeed (``checkpointer.py``).
+code sees the objects a part needs, never the runner. :func:`run_parts` is the
+one list of them (``DeepSpeedRunner.checkpoint_parts`` passes the run's objects);
+the engines' own state goes through DeepSpeed (``checkpointer.py``).
 """
 from __future__ import annotations
 
@@ -234,3 +234,34 @@ class RankStatePart:
 
     def load_state_dict(self, state: dict) -> None:
         load_rank_state(self.model, state)
+
+
+def run_parts(*, wrappers: dict[str, Any], model: nn.Module, modules: dict[str, str],
+              loop: Any, hub: MessageHub, schedulers: Any, schedule: str, logger: Any,
+              meta: Optional[dict] = None, save_param_scheduler: bool = True) -> list[Part]:
+    """The run state a checkpoint holds beside the engines, in restore order: the one list
+    the runner saves and restores (and its tests use).
+
+    Args:
+        wrappers (dict[str, Any]): The training optim wrappers by engine name; empty
+            before ``train()`` built them.
+        model (nn.Module): The user's whole model.
+        modules (dict[str, str]): Each engine's submodule path (``''``: the model).
+        loop (Any): The train loop (None for a runner without training).
+        hub (MessageHub): The run's message hub.
+        schedulers (Any): The param schedulers, as the runner holds them.
+        schedule (str): The loop's length in words, for a schedulers mismatch warning.
+        logger (Any): The runner's logger.
+        meta (dict, optional): The meta to save (loop position and facts); None when
+            restoring. Defaults to None.
+        save_param_scheduler (bool): Save the (built) param schedulers. Defaults to True.
+    """
+    return [
+        ParamGroupsPart(wrappers),
+        OutsideEnginesPart(model, modules),
+        LoopPart(loop, meta or {}),
+        MessageHubPart(hub),
+        SchedulersPart(schedulers, schedule, logger, save_param_scheduler),
+        RankStatePart(model),
+        IteratorStreamsPart(loop),
+    ]

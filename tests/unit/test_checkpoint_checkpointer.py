@@ -32,16 +32,7 @@ from mmengine_deepspeed.checkpoint.layout import (
     engine_tag,
     read_meta,
 )
-from mmengine_deepspeed.checkpoint.parts import (
-    IteratorStreamsPart,
-    LoopPart,
-    MessageHubPart,
-    OutsideEnginesPart,
-    ParamGroupsPart,
-    Part,
-    RankStatePart,
-    SchedulersPart,
-)
+from mmengine_deepspeed.checkpoint.parts import ParamGroupsPart, Part, run_parts
 from mmengine_deepspeed.checkpoint.resume_plan import ResumeKind
 from mmengine_deepspeed.config.resolve import MMEngineSettings
 from mmengine_deepspeed.engine.spec import SINGLE_ENGINE, EngineSpecs, named_wrappers
@@ -136,15 +127,11 @@ class Run:
             world_size=1, rank=0, seed=7, experiment_name='unit'))
 
     def parts(self, meta: Optional[dict], save_param_scheduler: bool) -> list[Part]:
-        return [
-            ParamGroupsPart(named_wrappers(self.optim_wrapper) if self.wrappers else {}),
-            OutsideEnginesPart(self.model, self.specs.modules()),
-            LoopPart(self.loop, meta or {}),
-            MessageHubPart(self.hub),
-            SchedulersPart(self.schedulers, 'max_iters=8', LOGGER, save_param_scheduler),
-            RankStatePart(self.model),
-            IteratorStreamsPart(self.loop),
-        ]
+        return run_parts(  # the runner's list (DeepSpeedRunner.checkpoint_parts)
+            wrappers=named_wrappers(self.optim_wrapper) if self.wrappers else {},
+            model=self.model, modules=self.specs.modules(), loop=self.loop, hub=self.hub,
+            schedulers=self.schedulers, schedule='max_iters=8', logger=LOGGER, meta=meta,
+            save_param_scheduler=save_param_scheduler)
 
     def call_hook(self, name: str, checkpoint: dict) -> None:
         self.hooks.append((name, checkpoint))
