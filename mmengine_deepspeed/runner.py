@@ -152,6 +152,13 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
         """The user's model, wrapped or not."""
         return cast(nn.Module, self.model.module) if is_model_wrapper(self.model) else self.model
 
+    @property
+    @override
+    def whole_cfg(self) -> Config:
+        """The config as given: ``runner.cfg`` with the keys ``train()`` holds back from
+        MMEngine's ``train()`` while it runs (see :meth:`_train`)."""
+        return Config(dict(self.cfg.to_dict(), **self._taken)) if self._taken else self.cfg
+
     def predicted_peak_mib(self, data_batch: Any,
                            saved: Optional[tuple[int, int]] = None) -> float:
         """What ``mmengine-deepspeed plan`` predicts per rank for this run's engines.
@@ -164,8 +171,7 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
         """
         if not isinstance(self.cfg.get('model'), dict):
             raise ValueError('the model was given as an instance, not a config')
-        cfg = Config(dict(self.cfg.to_dict(), **self._taken))  # keys train() holds meanwhile
-        return predicted_peak_mib(cfg, self.engine_specs, self.world_size,
+        return predicted_peak_mib(self.whole_cfg, self.engine_specs, self.world_size,
                                   int(os.environ.get('LOCAL_WORLD_SIZE', self.world_size)),
                                   copy.deepcopy(data_batch), self.rss_at_start_mib,
                                   None if saved is None else (self.bare_model, saved))

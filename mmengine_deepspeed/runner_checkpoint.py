@@ -42,6 +42,11 @@ class CheckpointMethods(Runner):
         """The user's model; the runner defines it."""
         raise NotImplementedError
 
+    @property
+    def whole_cfg(self) -> Any:
+        """The config as given; the runner defines it."""
+        raise NotImplementedError
+
     def attach_checkpointer(self) -> None:
         """Give the checkpointer what it saves and restores (once, in ``__init__``): the
         run's EngineSpecs, built by ``train()`` / ``val()`` / ``test()`` later, the user's
@@ -134,7 +139,8 @@ class CheckpointMethods(Runner):
         path = osp.join(out_dir, filename)
         try:
             self.checkpointer.save(
-                path, meta=dict(meta, cfg=self.cfg.pretty_text, dataset_meta=self._dataset_meta()),
+                path, meta=dict(meta, cfg=self.whole_cfg.pretty_text,
+                                dataset_meta=self._dataset_meta()),
                 weights_only=weights_only, save_param_scheduler=save_param_scheduler)
         except Exception as e:  # any failure: one message that says what to do
             message = save_failure(path, e, self.work_dir)

@@ -91,6 +91,9 @@ def checkpoint_through_deepspeed(model: nn.Module, modules: Any,
     Returns:
         list[str]: The modules wrapped.
     """
+    if not deepspeed.comm.is_initialized():  # configure() asks DeepSpeed's comm for the
+        # rank; deepspeed.initialize sets it up later, zero.Init (ZeRO-3) before this
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
     deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
     found = checkpointed_modules(model, modules)
     for _, module in found:

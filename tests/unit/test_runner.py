@@ -131,6 +131,26 @@ def test_activation_checkpointing_of_a_missing_module_is_refused_before_training
     assert not runner.engine_specs.built and runner.iter == 0
 
 
+def test_a_checkpoint_taken_in_train_records_the_whole_config(tmp_path: Any) -> None:
+    """``activation_checkpointing`` with DeepSpeed's section, at ZeRO-0 in one process: the
+    modules go through DeepSpeed's checkpoint (configuring it needed DeepSpeed's comm, set
+    up only by ``deepspeed.initialize`` or ZeRO-3's construction: it failed with 'DeepSpeed
+    backend not set'), and a checkpoint saved during ``train()`` records the key, which
+    ``train()`` holds back from MMEngine's ``train()`` meanwhile (it recorded the config
+    without it)."""
+    from mmengine_deepspeed.checkpoint.layout import CLIENT_FILE, META_KEY
+    from mmengine_deepspeed.checkpoint.safe_load import safe_load
+
+    cfg = toy_config(str(tmp_path), ds_config={'activation_checkpointing': {}}, val=False,
+                     max_iters=2, checkpoint=dict(type='CheckpointHook', interval=2,
+                                                  by_epoch=False))
+    runner = DeepSpeedRunner(**cfg, cfg=dict(cfg, activation_checkpointing=['fc1']))
+    runner.train()
+    assert runner.cfg.get('activation_checkpointing') == ['fc1']  # given back after train()
+    meta = safe_load(str(tmp_path / 'iter_2.pth' / CLIENT_FILE))[META_KEY]
+    assert 'activation_checkpointing' in meta['cfg'] and "'fc1'" in meta['cfg'], meta['cfg']
+
+
 def test_excluded_samples_past_the_dataset_are_refused_before_the_first_step(
         tmp_path: Any) -> None:
     cfg = toy_config(str(tmp_path), ds_config={}, val=False, dataset_size=32)
