@@ -4,9 +4,9 @@ MMEngine wraps the model in ``Runner.__init__`` but builds the optimizer only
 in ``train()``; ``deepspeed.initialize`` needs both at once. This runner owns
 that ordering (ARCHITECTURE.md, "The data path"): the model is left unwrapped
 (built partitioned under ZeRO-3), ``init_weights()`` runs before any engine,
-MMEngine builds the optimizer(s), and ``train()``'s one ``build_optim_wrapper``
-call builds one engine per optimizer (``engine/build.py``), on whose wrappers MMEngine
-then builds the param schedulers. ``val()`` and ``test()`` without training
+MMEngine's factory builds the optimizer(s), and ``train()`` builds one engine per
+optimizer (``engine/build.py``) before MMEngine's ``train()``, which then builds the param
+schedulers on their wrappers. ``val()`` and ``test()`` without training
 build an engine without an optimizer.
 """
 from __future__ import annotations
@@ -130,7 +130,6 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
             compile_options(cfg.get('compile') if cfg is not None else None),
             self.engine_specs.configs().values())
         self._weights_initialized = False
-        self._engines_wanted = False  # build_optim_wrapper builds engines (inside train())
         self._taken: dict[str, Any] = {}  # cfg keys train() does itself (see _train)
         self._compile_counts: Optional[dict[str, int]] = None
         super().__init__(*args, **kwargs)
@@ -261,13 +260,15 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
         with failing_together(), contextlib.ExitStack() as during_train:
             # hooks enter what lasts until train() returns or raises (PreemptionHook)
             self.call_hook('during_train', stack=during_train)
-            # MMEngine's train() calls build_optim_wrapper once: that call builds the engines.
-            self._engines_wanted = not self.engine_specs.built
             self.checkpointer.resolve_plan()  # once, before anything loads
-            try:
-                return self._train()
-            finally:
-                self._engines_wanted = False
+            # a name the model lacks is refused here, naming the key, on both paths
+            checkpointed_modules(self.bare_model, self.cfg.get('activation_checkpointing'))
+            if not self.engine_specs.built and self._train_loop is not None:
+                # MMEngine's train() builds the loop, then the optim wrappers: in that order
+                # here, so that its build_optim_wrapper call finds DeepSpeed's built
+                self._train_loop = self.build_train_loop(self._train_loop)
+                self.set_up_engines()
+            return self._train()
 
     def _train(self) -> nn.Module:
         """MMEngine's ``train()`` without the cfg keys this runner does itself.
@@ -277,8 +278,6 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
         engines' modules (``engine/compile.py``): MMEngine would wrap the
         modules with torch's checkpoint and compile ``train_step`` instead.
         """
-        # a name the model lacks is refused here, naming the key, on both paths
-        checkpointed_modules(self.bare_model, self.cfg.get('activation_checkpointing'))
         keys = ['compile'] if self.cfg.get('compile') is not None else []
         if self.cfg.get('activation_checkpointing') is not None \
                 and has_section(self._activation_config()):

@@ -1,15 +1,16 @@
 """Runner's optimizer and weight-init steps, where the DeepSpeed engines are built.
 
 MMEngine's ``train()`` builds the optim wrapper(s), then calls ``_init_model_weights``;
-DeepSpeed needs the weights initialised and the optimizer at once. The one
-``build_optim_wrapper`` call ``train()`` makes therefore initialises the weights and
-builds one engine per optimizer (``engine/build.py``); ``val()`` / ``test()`` without
-training build an engine without an optimizer (:meth:`EngineMethods.ensure_engine`).
+DeepSpeed needs the weights initialised and the optimizer at once. ``train()`` therefore
+sets the engines up before MMEngine's (:meth:`EngineMethods.set_up_engines`: the weights
+initialised, one engine per optimizer, ``engine/build.py``), and ``build_optim_wrapper``
+stays MMEngine's factory; ``val()`` / ``test()`` without training build an engine without
+an optimizer (:meth:`EngineMethods.ensure_engine`).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.runner import Runner
@@ -42,8 +43,6 @@ class EngineMethods(Runner):
     checkpointer: Checkpointer
     _find_unused_parameters: bool
     _weights_initialized: bool
-    _engines_wanted: bool  # the next build_optim_wrapper builds the engines (inside train())
-    _taken: dict[str, Any]  # cfg keys train() does itself
     _compile_counts: Optional[dict[str, int]]
 
     @property
@@ -57,7 +56,7 @@ class EngineMethods(Runner):
 
         MMEngine calls this after building the optimizer, when the engine
         would own (and under ZeRO-3 partition) the parameters, so the runner
-        calls it earlier (see :meth:`build_optim_wrapper`) and this later call
+        calls it earlier (see :meth:`set_up_engines`) and this later call
         does nothing. A model built partitioned (``zero.Init``) is
         initialised with each parameter gathered as torch touches it.
         """
@@ -75,47 +74,51 @@ class EngineMethods(Runner):
     def build_optim_wrapper(
         self, optim_wrapper: Union[Optimizer, OptimWrapper, dict]
     ) -> Union[OptimWrapper, OptimWrapperDict]:
-        """MMEngine's factory; when ``train()`` starts, also one engine per optimizer.
-
-        Called by the user (or a test) it is MMEngine's: it builds MMEngine's
-        optim wrappers from a config, an optimizer or a built wrapper, any
-        number of times, and changes nothing else. The one call ``train()``
-        makes with ``runner.optim_wrapper`` (whatever it is then) builds the
-        DeepSpeed engines from the result and returns their wrappers.
+        """MMEngine's factory: MMEngine's optim wrappers from a config, an optimizer or a
+        built wrapper, any number of times, changing nothing else; the DeepSpeed wrappers
+        :meth:`set_up_engines` built are returned as they are (``train()``'s own call).
 
         Args:
             optim_wrapper (Optimizer | OptimWrapper | OptimWrapperDict | dict):
                 The ``optim_wrapper`` argument.
 
         Returns:
-            OptimWrapper | OptimWrapperDict: MMEngine's wrapper(s); inside
-            ``train()`` the DeepSpeedOptimWrapper the train loop steps with, or
-            one per optimizer by name.
+            OptimWrapper | OptimWrapperDict: MMEngine's wrapper(s), or the
+            DeepSpeedOptimWrapper(s) given.
         """
         if isinstance(optim_wrapper, DeepSpeedOptimWrapper) or (
                 isinstance(optim_wrapper, OptimWrapperDict) and all(
                     isinstance(w, DeepSpeedOptimWrapper) for w in optim_wrapper.values())):
             return optim_wrapper
-        if not self._engines_wanted:
-            return super().build_optim_wrapper(as_plain_wrappers(optim_wrapper, only_ours=True))
-        self._engines_wanted = False  # one call builds them; later ones are the factory's
+        return super().build_optim_wrapper(as_plain_wrappers(optim_wrapper, only_ours=True))
+
+    def set_up_engines(self) -> None:
+        """One engine per optimizer of ``runner.optim_wrapper`` (whatever it is now), and
+        their DeepSpeedOptimWrapper(s) in its place: what ``train()`` does before MMEngine's
+        ``train()``, whose own ``build_optim_wrapper`` call then finds them built.
+
+        The weights are initialised first (under ZeRO-3 the engine partitions them);
+        ``activation_checkpointing`` goes through DeepSpeed's checkpoint where ds_config
+        has that section, and ``compile`` compiles each engine's module.
+        """
         self._init_model_weights()
         ds_config = self._activation_config()
         if has_section(ds_config):
-            listed = self._taken.get('activation_checkpointing') or []
+            listed = self.cfg.get('activation_checkpointing') or []
             wrapped = checkpoint_through_deepspeed(self.bare_model, listed, ds_config)
             self.logger.info('DeepSpeed activation checkpointing configured; modules through '
                              f'its checkpoint: {", ".join(wrapped) or "none listed"}.')
-        built = super().build_optim_wrapper(as_plain_wrappers(optim_wrapper))
+        built = super().build_optim_wrapper(as_plain_wrappers(self.optim_wrapper))
         # The engines follow the wrappers built now (runner.optim_wrapper may have changed).
         self.engine_specs.use_settings(
             mmengine_settings(self.train_dataloader, built, self.param_schedulers))
         self._build_engines(named_optimizers(built))
-        options = compile_options(self._taken.get('compile'))
+        options = compile_options(self.cfg.get('compile'))
         if options is not None:
             self._compile_counts = compile_engines(self.engine_specs, options, self.logger)
-        return wrap_optimizers(self.engine_specs, self._find_unused_parameters,
-                               own_train_step=overrides(self.bare_model, 'train_step'))
+        self.optim_wrapper = wrap_optimizers(
+            self.engine_specs, self._find_unused_parameters,
+            own_train_step=overrides(self.bare_model, 'train_step'))
 
     def _activation_config(self) -> dict:
         return self.engine_specs.process_config('activation_checkpointing')
@@ -124,8 +127,8 @@ class EngineMethods(Runner):
         """One engine per optimizer (``engine/build.py``); ``runner.model`` wraps them."""
         if self.engine_specs.built:
             raise RuntimeError(
-                'The DeepSpeed engines were already built with their optimizers (train() or '
-                'build_optim_wrapper() ran); use runner.optim_wrapper, or build a new runner '
+                'The DeepSpeed engines were already built with their optimizers (train() '
+                'ran); use runner.optim_wrapper, or build a new runner '
                 'to train with another optimizer.' if self.engine_specs.training else
                 'The DeepSpeed engine was already built without an optimizer by val()/test(); '
                 'call train() first, or build a new runner for training.')
