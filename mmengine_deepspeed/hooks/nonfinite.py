@@ -46,7 +46,12 @@ from ..engine.spec import named_wrappers
 from ..failure import AgreedExit
 from .agreement import Agreement, agreement_of, logging_interval
 from .failed_steps import FailedStep, FailedStepWatch, NonFinitePolicy
-from .preemption import at_update_boundary, checkpoint_dir, save_preemption_checkpoint
+from .preemption import (
+    at_update_boundary,
+    checkpoint_dir,
+    checkpoint_hook,
+    save_preemption_checkpoint,
+)
 
 # The message hub's runtime-info key of the samples left out (saved with checkpoints).
 EXCLUDED_KEY = 'excluded_samples'
@@ -262,7 +267,8 @@ class NonFiniteHook(Hook):
         rank 0's answer on every rank ('' for none)."""
         path = None
         if runner.rank == 0:
-            path = latest_complete(checkpoint_dir(runner), at_most_iter=iteration)
+            path = latest_complete(checkpoint_dir(runner, checkpoint_hook(runner)),
+                                   at_most_iter=iteration)
         return agreed_path(path or '')
 
     def _stop(self, runner: Any) -> None:

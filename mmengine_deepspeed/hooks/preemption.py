@@ -157,9 +157,9 @@ def checkpoint_hook(runner: Any) -> Optional[CheckpointHook]:
     return next((h for h in runner.hooks if isinstance(h, CheckpointHook)), None)
 
 
-def checkpoint_dir(runner: Any) -> str:
-    """Where the run's checkpoints go: CheckpointHook's ``out_dir``, else ``work_dir``."""
-    hook = checkpoint_hook(runner)
+def checkpoint_dir(runner: Any, hook: Optional[CheckpointHook]) -> str:
+    """Where the run's checkpoints go: ``hook``'s (:func:`checkpoint_hook`) ``out_dir``,
+    else ``work_dir``."""
     return getattr(hook, 'out_dir', None) or runner.work_dir
 
 
@@ -183,7 +183,7 @@ def save_preemption_checkpoint(runner: Any) -> str:
         if getattr(hook, 'last_ckpt', None) != path:
             save_with_checkpoint_hook(hook, runner, step, meta)
         return path
-    out_dir = checkpoint_dir(runner)
+    out_dir = checkpoint_dir(runner, hook)
     filename = f'iter_{step}.pth'
     runner.save_checkpoint(out_dir, filename, save_optimizer=getattr(hook, 'save_optimizer', True),
                            save_param_scheduler=getattr(hook, 'save_param_scheduler', True),
