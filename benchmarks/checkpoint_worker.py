@@ -31,7 +31,7 @@ def main() -> None:
     cfg['ds_config'].pop('bf16')  # fp32 Adam states, as in the memory table
     runner = RUNNERS.build(Config(cfg))
     runner.train()
-    engine = runner.engines['model']
+    engine = runner.strategy.engines()['model']
 
     def seconds(fn: Callable[[], object]) -> float:
         dist.barrier()

@@ -2,7 +2,7 @@
 from a resumed run's start to its first step, by resume position.
 
 * **Preemption agreement** (2 ranks, the benchmark GPT, ZeRO-2): the run's agreement
-  (``hooks/agreement.py``: one all-reduce on a CPU group carrying PreemptionHook's signal
+  (``strategy/agreement.py``: one all-reduce on a CPU group carrying PreemptionHook's signal
   flags and the peak memory), timed over many calls after training, against the median
   training step of the same run; it runs at most every iteration (steps of 2 s and more)
   and every 10th for steps under 0.2 s.

@@ -1,5 +1,5 @@
 """One rank of the preemption-agreement benchmark: train the benchmark GPT (ZeRO-2) with
-PreemptionHook, then time the run's agreement (``hooks/agreement.py``) alone.
+PreemptionHook, then time the run's agreement (``strategy/agreement.py``) alone.
 
 Usage (under torchrun): ``stop_and_resume_worker.py TRAIN_ITERS AGREE_CALLS WORK_DIR``.
 Rank 0 prints ``RESULT {json}``: the median step (ms), the mean agreement (us), world size
@@ -22,7 +22,6 @@ from mmengine.registry import RUNNERS
 import mmengine_deepspeed.demo  # noqa: F401  registers DeepSpeedRunner and TinyGPT
 from benchmarks.common import device_name, ds_config
 from benchmarks.overhead_worker import mmengine_cfg
-from mmengine_deepspeed.hooks.agreement import agreement_of
 
 
 class StepClock(Hook):
@@ -45,7 +44,7 @@ def main() -> None:
     runner.register_hook(clock)
     runner.train()
     steps = [b - a for a, b in zip(clock.ends[2:], clock.ends[3:])]  # after warm-up
-    agreement = agreement_of(runner)  # what PreemptionHook (and ThroughputHook) agree through
+    agreement = runner.strategy.agreement  # what PreemptionHook (and ThroughputHook) agree through
     dist.barrier()
     start = time.perf_counter()
     for call in range(calls):

@@ -7,7 +7,7 @@ run, and the CPU could not queue the next step ahead. :class:`DeferredMessageHub
 keeps such values (detached) and reads all of them in one transfer when anything
 reads the hub: LoggerHook at its interval, ``get_scalar``, ``log_scalars``, a
 checkpoint's ``state_dict``. The history, and so every figure the log shows, is
-what MMEngine's hub would hold. The runner builds it (:class:`MessageHubMethods`)
+what MMEngine's hub would hold. The runner builds it (:func:`deferred_message_hub`)
 and makes it MMEngine's current hub (``MessageHub.get_current_instance()`` returns
 it), under an experiment name no earlier runner in the process has taken.
 
@@ -26,7 +26,6 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from mmengine.logging import HistoryBuffer, MessageHub, MMLogger
-from mmengine.runner import Runner
 from typing_extensions import override
 
 from .compat import register_message_hub, scalar_histories, set_experiment_name
@@ -197,31 +196,26 @@ class DeferredMessageHub(MessageHub):
         self._runtime = self.runtime_info
 
 
-class MessageHubMethods(Runner):
-    """Runner's ``build_logger`` and ``build_message_hub`` for :class:`DeepSpeedRunner`."""
+def take_unused_experiment_name(runner: Any) -> None:
+    """Give ``runner`` an experiment name no earlier runner in this process has taken,
+    before its logger and message hub take it.
 
-    @override
-    def build_logger(self, log_level: Union[int, str] = 'INFO', log_file: Optional[str] = None,
-                     **kwargs: Any) -> MMLogger:
-        """MMEngine's logger, under an experiment name no earlier runner here has taken.
+    Names end with the start second, so runners built in one process within that
+    second shared MMEngine's logger and MessageHub (histories, best scores, warnings). A
+    suffix (``_2``...) keeps them apart; every rank builds the same runners, so every
+    rank picks the same name.
+    """
+    base, count = runner.experiment_name, 1
+    while MMLogger.check_instance_created(runner.experiment_name) \
+            or MessageHub.check_instance_created(runner.experiment_name):
+        count += 1
+        set_experiment_name(runner, f'{base}_{count}')
 
-        Names end with the start second, so runners built in one process within
-        that second shared MMEngine's logger and MessageHub (histories, best
-        scores, warnings). A suffix (``_2``...) keeps them apart; every rank
-        builds the same runners, so every rank picks the same name.
-        """
-        base, count = self.experiment_name, 1
-        while MMLogger.check_instance_created(self.experiment_name) \
-                or MessageHub.check_instance_created(self.experiment_name):
-            count += 1
-            set_experiment_name(self, f'{base}_{count}')
-        return super().build_logger(log_level=log_level, log_file=log_file, **kwargs)
 
-    @override
-    def build_message_hub(self, message_hub: Optional[dict] = None) -> MessageHub:
-        """MMEngine's hub, reading tensor values on the host only when it is read
-        (:class:`~.message_hub.DeferredMessageHub`: no wait per iteration)."""
-        if message_hub is not None and not isinstance(message_hub, dict):
-            raise TypeError(f'message_hub should be dict or None, but got {message_hub}')
-        kwargs = dict(message_hub or {})
-        return DeferredMessageHub.build(kwargs.pop('name', self.experiment_name), **kwargs)
+def deferred_message_hub(message_hub: Optional[dict], experiment_name: str) -> MessageHub:
+    """``Runner.build_message_hub``'s result as a :class:`DeferredMessageHub` (no wait per
+    iteration), MMEngine's current hub."""
+    if message_hub is not None and not isinstance(message_hub, dict):
+        raise TypeError(f'message_hub should be dict or None, but got {message_hub}')
+    kwargs = dict(message_hub or {})
+    return DeferredMessageHub.build(kwargs.pop('name', experiment_name), **kwargs)

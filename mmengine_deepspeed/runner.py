@@ -4,52 +4,53 @@ MMEngine wraps the model in ``Runner.__init__`` but builds the optimizer only
 in ``train()``; ``deepspeed.initialize`` needs both at once. This runner owns
 that ordering (ARCHITECTURE.md, "The data path"): the model is left unwrapped
 (built partitioned under ZeRO-3), ``init_weights()`` runs before any engine,
-MMEngine's factory builds the optimizer(s), and ``train()`` builds one engine per
-optimizer (``engine/build.py``) before MMEngine's ``train()``, which then builds the param
-schedulers on their wrappers. ``val()`` and ``test()`` without training
-build an engine without an optimizer.
+MMEngine's factory builds the optimizer(s), and ``train()`` has the strategy build
+one engine per optimizer (``strategy/run.py``) before MMEngine's ``train()``, which
+then builds the param schedulers on their wrappers. ``val()`` and ``test()`` without
+training build an engine without an optimizer. What DeepSpeed touches is the
+strategy's; each override here is the hand-off in a few lines.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
-import os
-from typing import Any, Optional, Union, cast
+import os.path as osp
+from collections.abc import Sequence
+from typing import Any, Optional, Union
 
-import deepspeed
 from mmengine.config import Config
-from mmengine.model import is_model_wrapper
+from mmengine.logging import MessageHub, MMLogger
+from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.registry import RUNNERS
 from mmengine.runner import Runner
 from torch import nn
+from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from .checkpoint.checkpointer import Checkpointer
-from .checkpoint.state import rng_state, set_rng_state
 from .config.resolve import DsConfigSource
 from .config.runner_keys import switch
 from .data.loops import IndexedBatches, resumable_loop
 from .data.order import resumable_loader
-from .dist import cuda_available, init_distributed
-from .engine.activation import checkpointed_modules, has_section
-from .engine.build import left_unwrapped
-from .engine.compile import check_deepcompile, compile_options, compile_report
-from .engine.offload import check_nvme
-from .engine.spec import EngineSpecs
+from .dist import init_distributed
+from .engine.activation import checkpointed_modules
+from .engine.compile import compile_report
+from .engine.spec import as_plain_wrappers
 from .failure import failing_together
+from .hooks.calling import HookCalls
 from .hooks.failed_steps import NonFinitePolicy, exclude_samples_of
 from .hooks.nonfinite import NonFiniteHook
-from .hooks.runner_methods import HookMethods
-from .message_hub import MessageHubMethods
-from .plan.census import import_scope
-from .plan.planner import predicted_peak_mib
-from .process_memory import rss_mib
+from .hooks.registration import (
+    added_hooks,
+    added_hooks_info,
+    deepspeed_custom_hooks,
+    deepspeed_default_hooks,
+    in_priority_order,
+)
+from .message_hub import deferred_message_hub, take_unused_experiment_name
 from .quiet import quiet_deepspeed
-from .runner_checkpoint import CheckpointMethods
-from .runner_engines import EngineMethods
-from .zero.partitioned import build_advice, built_partitioned
+from .strategy import RunStrategy
+from .strategy import checkpoints as strategy_checkpoints
 
 
 def _from_cfg(cfg: Optional[Config], key: str, value: Any, default: Any) -> Any:
@@ -60,8 +61,11 @@ def _from_cfg(cfg: Optional[Config], key: str, value: Any, default: Any) -> Any:
 
 
 @RUNNERS.register_module()
-class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubMethods):
+class DeepSpeedRunner(Runner):
     """A :class:`mmengine.runner.Runner` that trains through DeepSpeed.
+
+    Each override hands DeepSpeed's part to :attr:`strategy` (``strategy/``), the one
+    owner of the engines, the checkpointer and the ranks' agreement.
 
     Takes every ``Runner`` argument plus ``ds_config``. With
     ``runner_type='DeepSpeedRunner'`` in a config, ``RUNNERS.build(cfg)``
@@ -94,86 +98,37 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
         **kwargs: Keyword arguments of :class:`mmengine.runner.Runner`.
     """
 
-    _find_unused_parameters: bool
+
+    strategy: RunStrategy  # what DeepSpeed touches, built before MMEngine's __init__
+    added_hooks: list  # the runner's own hooks, run beside runner.hooks
 
     def __init__(self, *args: Any, ds_config: DsConfigSource = None,
                  allow_unsafe_checkpoints: Optional[bool] = None,
                  zero_init: Optional[bool] = None, nonfinite: Optional[dict] = None,
                  exclude_samples: Union[list[int], str, None] = None, **kwargs: Any):
-        bound = inspect.signature(Runner.__init__).bind(self, *args, **kwargs)
-        arguments = bound.arguments
-        # what the process holds before any model or data, with the modules that building
-        # them from the config's scope imports (as plan's fixed cost): the banner's plan
-        # starts here
-        self.rss_at_start_mib = 0.0
-        if not cuda_available():
-            import_scope(arguments.get('default_scope', 'mmengine'))
-            self.rss_at_start_mib = rss_mib()
+        arguments = inspect.signature(Runner.__init__).bind(self, *args, **kwargs).arguments
         cfg = arguments.get('cfg')
         cfg = Config(cfg) if isinstance(cfg, dict) and not isinstance(cfg, Config) else cfg
         if ds_config is None and cfg is not None:
             ds_config = cfg.get('ds_config')
-        self.allow_unsafe_checkpoints = switch(
-            cfg, 'allow_unsafe_checkpoints', allow_unsafe_checkpoints, False)
-        self.zero_init = switch(cfg, 'zero_init', zero_init, True)
+        self.strategy = RunStrategy.of_run(
+            self, cfg, arguments, ds_config=ds_config,
+            allow_unsafe_checkpoints=switch(cfg, 'allow_unsafe_checkpoints',
+                                            allow_unsafe_checkpoints, False),
+            zero_init=switch(cfg, 'zero_init', zero_init, True))
         self.nonfinite_hook = NonFiniteHook(
             NonFinitePolicy.of(_from_cfg(cfg, 'nonfinite', nonfinite, None)),
             exclude_samples_of(_from_cfg(cfg, 'exclude_samples', exclude_samples, None)))
-        self.engine_specs = EngineSpecs.of_run(
-            ds_config, getattr(cfg, 'filename', None), arguments.get('train_dataloader'),
-            arguments.get('optim_wrapper'), arguments.get('param_scheduler'))
-        # Refuse a bad ds_config before any process group or file exists.
-        self.engine_specs.resolve(world_size=None)
-        for spec in self.engine_specs:
-            check_nvme(spec.ds_config)
-        check_deepcompile(  # a bad compile value, or DeepCompile where it cannot run, early
-            compile_options(cfg.get('compile') if cfg is not None else None),
-            self.engine_specs.configs().values())
-        self._weights_initialized = False
-        self._taken: dict[str, Any] = {}  # cfg keys train() does itself (see _train)
-        self._compile_counts: Optional[dict[str, int]] = None
+        self._hook_calls = HookCalls(self.strategy.specs)
         super().__init__(*args, **kwargs)
-        self.checkpointer = Checkpointer(
-            self.work_dir, resume=bool(arguments.get('resume', False)),
-            load_from=arguments.get('load_from'),
-            allow_unsafe=self.allow_unsafe_checkpoints, logger=self.logger)
-        self.attach_checkpointer()
-        self.checkpointer.resume_after_restart()
+        self.strategy.build_checkpointer(resume=bool(arguments.get('resume', False)),
+                                         load_from=arguments.get('load_from'))
 
     @property
-    def engines(self) -> dict[str, deepspeed.DeepSpeedEngine]:
-        """The DeepSpeed engines by name (``'model'`` for one optimizer), once built."""
-        return self.engine_specs.engines()
-
-    @property
-    @override
-    def bare_model(self) -> nn.Module:
-        """The user's model, wrapped or not."""
-        return cast(nn.Module, self.model.module) if is_model_wrapper(self.model) else self.model
-
-    @property
-    @override
     def whole_cfg(self) -> Config:
         """The config as given: ``runner.cfg`` with the keys ``train()`` holds back from
-        MMEngine's ``train()`` while it runs (see :meth:`_train`)."""
-        return Config(dict(self.cfg.to_dict(), **self._taken)) if self._taken else self.cfg
-
-    def predicted_peak_mib(self, data_batch: Any,
-                           saved: Optional[tuple[int, int]] = None) -> float:
-        """What ``mmengine-deepspeed plan`` predicts per rank for this run's engines.
-
-        Traced on a meta-device copy of the config's model with a copy of the loop's
-        batch (no second dataset, which would raise the memory being predicted; meta
-        ops draw no random numbers); ``saved``: what the run's first step saved for
-        backward, measured, for a model the meta device cannot run. Raises where the
-        model is not a config, or without ``saved`` where tracing fails.
-        """
-        if not isinstance(self.cfg.get('model'), dict):
-            raise ValueError('the model was given as an instance, not a config')
-        return predicted_peak_mib(self.whole_cfg, self.engine_specs, self.world_size,
-                                  int(os.environ.get('LOCAL_WORLD_SIZE', self.world_size)),
-                                  copy.deepcopy(data_batch), self.rss_at_start_mib,
-                                  None if saved is None else (self.bare_model, saved))
+        MMEngine's ``train()`` while it runs (``RunStrategy.keys_held_back``)."""
+        return self.strategy.whole_cfg
 
     @override
     def setup_env(self, env_cfg: dict) -> None:
@@ -188,42 +143,52 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
         quiet_deepspeed(self.rank, verbose=self.cfg.get('log_level', 'INFO') == 'DEBUG')
 
     @override
+    def build_logger(self, log_level: Union[int, str] = 'INFO', log_file: Optional[str] = None,
+                     **kwargs: Any) -> MMLogger:
+        """MMEngine's logger, under an experiment name no earlier runner here has taken
+        (``message_hub.take_unused_experiment_name``)."""
+        take_unused_experiment_name(self)
+        return super().build_logger(log_level=log_level, log_file=log_file, **kwargs)
+
+    @override
+    def build_message_hub(self, message_hub: Optional[dict] = None) -> MessageHub:
+        """MMEngine's hub, reading tensor values on the host only when it is read
+        (``message_hub.DeferredMessageHub``: no wait per iteration)."""
+        return deferred_message_hub(message_hub, self.experiment_name)
+
+    @override
     def build_model(self, model: Union[nn.Module, dict]) -> nn.Module:
-        """MMEngine's ``build_model``; under ZeRO-3 a config is built partitioned.
-
-        Inside ``deepspeed.zero.Init`` each submodule is partitioned as soon
-        as it is built (in the ds_config's dtype), so the largest model
-        that fits is set by all ranks' memory together, not by one rank's.
-        """
-        specs = self.engine_specs
-        specs.resolve(self.world_size)
-        advice = build_advice(model, specs.zero_stage, self.zero_init, specs.several)
-        if advice is not None:
-            self.logger.info(advice)
-        if not isinstance(model, dict) or advice is not None or not self.zero_init \
-                or specs.zero_stage != 3:
-            return super().build_model(model)
-        streams = rng_state()
-
-        def whole() -> nn.Module:  # drawing what zero_init=False draws
-            set_rng_state(streams)
-            return Runner.build_model(self, model)
-
-        return built_partitioned(lambda: Runner.build_model(self, model), whole,
-                                 specs.process_config('zero_optimization'), self.logger)
+        """MMEngine's ``build_model``; under ZeRO-3 a config is built partitioned
+        (``RunStrategy.build_model``)."""
+        return self.strategy.build_model(self, model, lambda: Runner.build_model(self, model))
 
     @override
     def wrap_model(self, model_wrapper_cfg: Optional[dict], model: nn.Module) -> nn.Module:
         """Leave the model unwrapped (the engine needs the optimizer, built later);
-        ``find_unused_parameters`` is honoured (``engines.left_unwrapped``)."""
-        model, self._find_unused_parameters = left_unwrapped(
-            model, model_wrapper_cfg, self.world_size, self.cfg.get('sync_bn', None),
-            self.logger)
-        return model
+        ``find_unused_parameters`` is honoured (``RunStrategy.leave_unwrapped``)."""
+        return self.strategy.leave_unwrapped(self, model_wrapper_cfg, model)
+
+    @override
+    def _init_model_weights(self) -> None:
+        """``init_weights()`` once, before the engines (``RunStrategy.init_weights``):
+        MMEngine calls this after building the optimizer, when the engine would own (and
+        under ZeRO-3 partition) the parameters; ``train()`` calls it earlier."""
+        self.strategy.init_weights()
+
+    @override
+    def build_optim_wrapper(
+        self, optim_wrapper: Union[Optimizer, OptimWrapper, dict]
+    ) -> Union[OptimWrapper, OptimWrapperDict]:
+        """MMEngine's factory: MMEngine's optim wrappers from a config, an optimizer or a
+        built wrapper, any number of times, changing nothing else; the DeepSpeed wrappers
+        ``train()`` built are returned as they are (MMEngine's ``train()``'s own call)."""
+        built = self.strategy.optim_wrapper_as_built(optim_wrapper)
+        return built if built is not None else super().build_optim_wrapper(
+            as_plain_wrappers(optim_wrapper, only_ours=True))
 
     @override
     def build_train_loop(self, loop: Any) -> Any:
-        """MMEngine's train loops, resuming exactly and without reloading data (``loop.py``);
+        """MMEngine's train loops, resuming exactly and without reloading data (``data/``);
         another loop class is built as it is, and the log says once what it goes without."""
         built = super().build_train_loop(resumable_loop(loop))
         if not isinstance(built, IndexedBatches):
@@ -250,58 +215,137 @@ class DeepSpeedRunner(EngineMethods, CheckpointMethods, HookMethods, MessageHubM
             Runner.build_dataloader(dataloader, seed=seed, diff_rank_seed=diff_rank_seed))
 
     @override
+    def register_default_hooks(self, hooks: Optional[dict] = None) -> None:
+        """MMEngine's default hooks, with the crash-safe checkpoint hook
+        (``hooks/registration.py``)."""
+        super().register_default_hooks(deepspeed_default_hooks(hooks))
+
+    @override
+    def register_hooks(self, default_hooks: Optional[dict] = None,
+                       custom_hooks: Optional[list] = None) -> None:
+        """MMEngine's hooks, with ``EMAHook`` made DeepSpeed-aware; the runner's own hooks
+        (throughput, preemption, streams after validation, non-finite steps) beside
+        them, in :attr:`added_hooks` (``hooks/registration.py``)."""
+        self.added_hooks = in_priority_order(added_hooks(default_hooks, custom_hooks),
+                                             [self.nonfinite_hook])
+        super().register_hooks(default_hooks, deepspeed_custom_hooks(custom_hooks))
+
+    @override
+    def call_hook(self, fn_name: str, **kwargs: Any) -> None:
+        """MMEngine's ``call_hook`` over the registered hooks and :attr:`added_hooks`, in
+        priority order (``hooks/calling.py``)."""
+        self._hook_calls.call(self, self.added_hooks, super().call_hook, fn_name, kwargs)
+
+    @override
+    def get_hooks_info(self) -> str:
+        """MMEngine's listing of the registered hooks, then the runner's own."""
+        return f'{super().get_hooks_info()}\n{added_hooks_info(self.added_hooks)}'
+
+    @override
+    def load_checkpoint(self, filename: str, map_location: Any = 'cpu', strict: bool = False,
+                        revise_keys: Sequence[tuple[str, str]] = ((r'^module\.', ''),)) -> dict:
+        """Load weights (our checkpoint directory, ``.pth`` or ``.safetensors``).
+
+        Before the engine exists (``load_from``) the weights go into the bare
+        model; into an evaluation engine they are written under
+        ``GatheredParameters`` (ZeRO-3). A training engine keeps fp32
+        masters the weights would not reach: use ``load_from`` (or
+        ``resume``) instead. ``map_location`` is accepted for MMEngine
+        compatibility; weights are read on CPU.
+
+        Args:
+            filename (str): What to load.
+            map_location (Any): Ignored. Defaults to ``'cpu'``.
+            strict (bool): Refuse missing or unexpected keys. Defaults to False.
+            revise_keys (Sequence[tuple[str, str]]): ``(pattern, replacement)``
+                rewrites of the checkpoint's keys. Defaults to stripping
+                ``module.``.
+
+        Returns:
+            dict: ``{'meta': ..., 'state_dict': ...}``.
+        """
+        return self.strategy.checkpointer.load_weights(filename, strict=strict,
+                                                       revise_keys=revise_keys)
+
+    @override
+    def save_checkpoint(self, out_dir: str, filename: str,
+                        file_client_args: Optional[dict] = None, save_optimizer: bool = True,
+                        save_param_scheduler: bool = True, meta: Optional[dict] = None,
+                        by_epoch: bool = True, backend_args: Optional[dict] = None) -> None:
+        """Save a checkpoint directory on every rank (MMEngine's is rank 0 only).
+
+        Called by CheckpointHook on all ranks; arguments as
+        :meth:`mmengine.runner.Runner.save_checkpoint`. With
+        ``save_optimizer=False``, or before ``train()`` built an optimizer
+        (after ``val()``, or before anything), the checkpoint holds the
+        consolidated weights and no optimizer state (``checkpoint/weights.py``);
+        resuming from it restores everything else.
+        """
+        strategy_checkpoints.save_checkpoint(
+            self.strategy, osp.join(out_dir, filename), save_optimizer=save_optimizer,
+            save_param_scheduler=save_param_scheduler, meta=meta, by_epoch=by_epoch,
+            backends=dict(file_client_args=file_client_args, backend_args=backend_args))
+
+    @override
+    def resume(self, filename: str, resume_optimizer: bool = True,
+               resume_param_scheduler: bool = True, map_location: Any = 'default') -> None:
+        """Resume everything from checkpoint directory ``filename`` (collective).
+
+        Engine (weights and optimizer partitions), loop position, param
+        schedulers, message hub, this rank's RNG state and hooks' state come
+        back exactly. Called before ``train()``, the weights are loaded at
+        once and the rest when ``train()`` has built the engines.
+        ``resume_optimizer``, ``resume_param_scheduler`` and ``map_location``
+        are accepted for MMEngine compatibility; DeepSpeed places the state
+        itself.
+        """
+        strategy_checkpoints.resume(self.strategy, filename)
+
+    @override
+    def load_or_resume(self) -> None:
+        """Carry out the resume plan (``checkpoint/resume_plan.py``), resolved on first use:
+        ``load_from`` weights went into the bare model before the engines; a resume restores
+        everything (``strategy/checkpoints.py``)."""
+        strategy_checkpoints.load_or_resume(self.strategy)
+
+    @override
     def train(self) -> nn.Module:
-        """MMEngine's ``train()``; listed ``activation_checkpointing`` modules go
-        through DeepSpeed's checkpoint when ds_config has that section (``engine/activation.py``).
+        """MMEngine's ``train()``, the engines set up before it; listed
+        ``activation_checkpointing`` modules go through DeepSpeed's checkpoint when
+        ds_config has that section, and ``compile`` compiles the engines' modules
+        (``RunStrategy.keys_held_back``).
 
         An error on this rank ends every rank at once (``failure.py``); a stop
         signal ends them together after a checkpoint (``hooks/preemption.py``).
         """
+        strategy = self.strategy
         with failing_together(), contextlib.ExitStack() as during_train:
             # hooks enter what lasts until train() returns or raises (PreemptionHook)
             self.call_hook('during_train', stack=during_train)
-            self.checkpointer.resolve_plan()  # once, before anything loads
+            strategy.checkpointer.resolve_plan()  # once, before anything loads
             # a name the model lacks is refused here, naming the key, on both paths
-            checkpointed_modules(self.bare_model, self.cfg.get('activation_checkpointing'))
-            if not self.engine_specs.built and self._train_loop is not None:
+            checkpointed_modules(strategy.bare_model, self.cfg.get('activation_checkpointing'))
+            if not strategy.specs.built and self._train_loop is not None:
                 # MMEngine's train() builds the loop, then the optim wrappers: in that order
                 # here, so that its build_optim_wrapper call finds DeepSpeed's built
                 self._train_loop = self.build_train_loop(self._train_loop)
-                self.set_up_engines()
-            return self._train()
-
-    def _train(self) -> nn.Module:
-        """MMEngine's ``train()`` without the cfg keys this runner does itself.
-
-        ``activation_checkpointing`` (when ds_config has DeepSpeed's section)
-        goes through DeepSpeed's checkpoint, and ``compile`` compiles the
-        engines' modules (``engine/compile.py``): MMEngine would wrap the
-        modules with torch's checkpoint and compile ``train_step`` instead.
-        """
-        keys = ['compile'] if self.cfg.get('compile') is not None else []
-        if self.cfg.get('activation_checkpointing') is not None \
-                and has_section(self._activation_config()):
-            keys.append('activation_checkpointing')
-        self._taken = {key: self.cfg.pop(key) for key in keys}
-        try:
-            model = super().train()
-        finally:
-            self.cfg.update(self._taken)
-            self._taken = {}
-        if self._compile_counts is not None:
-            self.logger.info(compile_report(self._compile_counts))
-        return model
+                strategy.set_up_engines()
+            with strategy.keys_held_back():
+                model = super().train()
+            if strategy.compile_counts is not None:
+                self.logger.info(compile_report(strategy.compile_counts))
+            return model
 
     @override
     def val(self) -> dict:
         """Validate; without prior training, through an engine without optimizer."""
         with failing_together():
-            self.ensure_engine()
+            self.strategy.ensure_engine()
             return super().val()
 
     @override
     def test(self) -> dict:
         """Test; without prior training, through an engine without optimizer."""
         with failing_together():
-            self.ensure_engine()
+            self.strategy.ensure_engine()
             return super().test()

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import numpy as np
@@ -27,6 +28,7 @@ from torch.utils.data import Dataset
 
 from mmengine_deepspeed.compat import dynamo_counts
 from mmengine_deepspeed.dist import free_port
+from mmengine_deepspeed.strategy import RunStrategy
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IN_FEATURES = 8
@@ -106,6 +108,15 @@ def run_command(cmd: Sequence[str], timeout: float = 240,
         out, _ = proc.communicate()
         raise AssertionError(f'{cmd} timed out after {timeout}s:\n{out[-6000:]}') from None
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, None)
+
+
+def runner_stand_in(specs: Any = None, **attributes: Any) -> Any:
+    """A stand-in for a DeepSpeedRunner in one process (no process group): ``attributes``
+    and a ``strategy`` over ``specs``, what this package's hooks reach DeepSpeed through."""
+    runner = SimpleNamespace(**attributes)
+    runner.strategy = RunStrategy(runner, specs,  # type: ignore[arg-type]
+                                  allow_unsafe_checkpoints=False, zero_init=True)
+    return runner
 
 
 @DATASETS.register_module()

@@ -17,7 +17,6 @@ import os.path as osp
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import deepspeed
@@ -79,69 +78,50 @@ def agreed_path(path: str) -> str:
     return str(chosen[0])
 
 
-@dataclass
-class Collaborators:
-    """What save and restore work on, given once by the runner: its EngineSpecs (built
-    or not: one object for the run) and the user's model, and what reads the rest.
+class Checkpointer:
+    """What the run resumes from, and its collective save and restore.
+
+    Built once the runner has its model, hub and hooks, with everything it works on: the
+    run's EngineSpecs (built later by ``train()`` / ``val()`` / ``test()``; one object for
+    the run), the user's model and the run state beside the engines; it never sees the
+    runner. The resume plan is resolved once, when ``train()`` / ``val()`` / ``test()``
+    start (:meth:`resolve_plan`), and again only after a new resume request.
 
     Args:
+        work_dir (str): Where checkpoints are (``resume=True`` looks there).
         specs (EngineSpecs): The engines (built or not).
         model (nn.Module): The user's whole model.
-        parts (PartsOf): The run state beside the engines.
+        parts (PartsOf): The run state beside the engines (``parts.run_parts``).
         call_hook (CallHook): The runner's ``call_hook`` (hooks add and read their keys).
+        resume (bool): MMEngine's ``resume``.
+        load_from (str, optional): MMEngine's ``load_from``.
+        allow_unsafe (bool): Unpickle beyond tensors and plain types.
+        logger (Any): The runner's logger.
         world_size (int): Ranks in the run.
         rank (int): This rank.
         seed (Any): The run's seed, for the checkpoint's facts.
         experiment_name (str): The run's name, for the checkpoint's facts.
     """
 
-    specs: EngineSpecs
-    model: nn.Module
-    parts: PartsOf
-    call_hook: CallHook
-    world_size: int
-    rank: int
-    seed: Any
-    experiment_name: str
-
-
-class Checkpointer:
-    """What the run resumes from, and its collective save and restore.
-
-    Built with the run's settings, then :meth:`attach`-ed to what it saves; it never
-    sees the runner. The resume plan is resolved once, when ``train()`` / ``val()`` /
-    ``test()`` start (:meth:`resolve_plan`), and again only after a new resume request.
-
-    Args:
-        work_dir (str): Where checkpoints are (``resume=True`` looks there).
-        resume (bool): MMEngine's ``resume``.
-        load_from (str, optional): MMEngine's ``load_from``.
-        allow_unsafe (bool): Unpickle beyond tensors and plain types.
-        logger (Any): The runner's logger.
-    """
-
-    def __init__(self, work_dir: str, *, resume: bool, load_from: Optional[str],
-                 allow_unsafe: bool, logger: Any):
+    def __init__(self, work_dir: str, specs: EngineSpecs, model: nn.Module, *,
+                 parts: PartsOf, call_hook: CallHook, resume: bool, load_from: Optional[str],
+                 allow_unsafe: bool, logger: Any, world_size: int, rank: int, seed: Any,
+                 experiment_name: str):
         self.work_dir = work_dir
+        self.specs = specs
+        self.model = model
         self.allow_unsafe = allow_unsafe
         self.logger = logger
+        self._parts = parts
+        self._call_hook = call_hook
+        self._world_size, self._rank = world_size, rank
+        self._seed, self._experiment_name = seed, experiment_name
         self._resume = resume
         self._load_from = load_from
         self._plan: Optional[ResumePlan] = None
-        self._with: Optional[Collaborators] = None
         self.weights_loaded = False  # weights are in the model (load_from, or a resume's)
         self.restored = False  # the plan's whole state was restored into the engines
         self._last_saved: Optional[tuple[str, int, int]] = None  # path, epoch, iter
-
-    def attach(self, collaborators: Collaborators) -> None:
-        """Save and restore from now on work on ``collaborators``."""
-        self._with = collaborators
-
-    @property
-    def _attached(self) -> Collaborators:
-        if self._with is None:
-            raise RuntimeError('Checkpointer.attach() must be called before saving or loading.')
-        return self._with
 
     def resume_after_restart(self) -> None:
         """After the elastic agent restarted the job (``--max-restarts``), resume by itself.
@@ -176,7 +156,7 @@ class Checkpointer:
         return self._resume
 
     def _sharding(self) -> Sharding:
-        return Sharding(self._attached.world_size, self._attached.specs.zero_stage)
+        return Sharding(self._world_size, self.specs.zero_stage)
 
     def resolve_plan(self) -> ResumePlan:
         """The resume plan: resolved at its first call (the start of train/val/test, before
@@ -212,17 +192,16 @@ class Checkpointer:
         """Weights from ``filename`` into the model: the bare one before the engines, an
         evaluation engine's gathered (ZeRO-3); refused once a training engine holds fp32
         masters the weights would not reach."""
-        run = self._attached
-        if run.specs.training:
+        if self.specs.training:
             raise RuntimeError(
                 f'load_checkpoint({filename!r}) after the training engine was built would not '
                 'reach its fp32 master weights; set load_from (or resume) before train().')
-        built = run.specs.built
-        with gathered(run.model, modify=True) if built else nullcontext():
+        built = self.specs.built
+        with gathered(self.model, modify=True) if built else nullcontext():
             checkpoint = load_weights_into(
-                run.model, filename, strict=strict, revise_keys=list(revise_keys),
+                self.model, filename, strict=strict, revise_keys=list(revise_keys),
                 allow_unsafe=self.allow_unsafe, logger=self.logger, bare=not built)
-        run.call_hook('after_load_checkpoint', checkpoint=checkpoint)
+        self._call_hook('after_load_checkpoint', checkpoint=checkpoint)
         self.weights_loaded = True
         return checkpoint
 
@@ -239,23 +218,22 @@ class Checkpointer:
             save_param_scheduler (bool): Save the (built) param schedulers.
                 Defaults to True.
         """
-        run = self._attached
         started = time.perf_counter()
         path = agreed_path(path)
-        facts = run_facts(run.specs, seed=run.seed, world_size=run.world_size,
-                          experiment_name=run.experiment_name)
-        parts = run.parts(dict(meta, **facts), save_param_scheduler)
+        facts = run_facts(self.specs, seed=self._seed, world_size=self._world_size,
+                          experiment_name=self._experiment_name)
+        parts = self._parts(dict(meta, **facts), save_param_scheduler)
         facts.update(epoch=meta['epoch'], iter=meta['iter'])
-        if run.specs.several:
-            facts['engines'] = run.specs.modules()
+        if self.specs.several:
+            facts['engines'] = self.specs.modules()
         client: dict[str, Any] = {}
         rank_state: dict[str, Any] = {}
         for part in parts:
             state = part.state_dict()
             if state is not None:
                 (rank_state if part.per_rank else client)[part.key] = state
-        run.call_hook('before_save_checkpoint', checkpoint=client)
-        save_checkpoint_dir(path, run.specs.engines(), run.model, plain(client),
+        self._call_hook('before_save_checkpoint', checkpoint=client)
+        save_checkpoint_dir(path, self.specs.engines(), self.model, plain(client),
                             plain(rank_state), facts, weights_only=weights_only)
         self._last_saved = (path, int(facts['epoch']), int(facts['iter']))
         self.logger.info(f'Checkpoint {path} saved in {time.perf_counter() - started:.1f} s.')
@@ -278,7 +256,7 @@ class Checkpointer:
                 or not osp.isdir(self._last_saved[0]):
             return
         write_rank_state(self._last_saved[0], plain(
-            {part.key: state for part in self._attached.parts(None, True)
+            {part.key: state for part in self._parts(None, True)
              if part.per_rank and (state := part.state_dict()) is not None}))
 
     def restore(self, path: str) -> dict[str, Any]:
@@ -287,7 +265,6 @@ class Checkpointer:
         Returns:
             dict: The checkpoint's client state (as hooks saw it when saving).
         """
-        run = self._attached
         started = time.perf_counter()
         plan = plan_for(path, self._sharding())
         meta = check_checkpoint(path)
@@ -298,20 +275,20 @@ class Checkpointer:
         else:
             self._load_engines(path, meta, plan.kind is ResumeKind.UNIVERSAL)
         # On another world size, rank r takes the RNG and buffers of rank r mod N.
-        rank_file = osp.join(path, RANK_FILE.format(rank=run.rank % meta['world_size']))
+        rank_file = osp.join(path, RANK_FILE.format(rank=self._rank % meta['world_size']))
         rank_state = safe_load(rank_file, self.allow_unsafe)
-        for part in run.parts(None, True):
+        for part in self._parts(None, True):
             saved = (rank_state if part.per_rank else client).get(part.key)
             if saved is not None:
                 part.load_state_dict(saved)
-        run.call_hook('after_load_checkpoint', checkpoint=client)
+        self._call_hook('after_load_checkpoint', checkpoint=client)
         self.weights_loaded = self.restored = True
         self.logger.info(f'Checkpoint {path} restored in {time.perf_counter() - started:.1f} s.')
         return client
 
     def _load_engines(self, path: str, meta: dict[str, Any], universal: bool) -> None:
         """DeepSpeed's shards into the engines, resharded if the layout changed."""
-        specs = self._attached.specs
+        specs = self.specs
         saved_modules = engine_modules(meta)
         if saved_modules != specs.modules():
             raise CheckpointError(
@@ -337,9 +314,8 @@ class Checkpointer:
 
     def _load_weights_only(self, path: str) -> None:
         """A weights-only checkpoint's weights into the engines, fp32 masters included."""
-        run = self._attached
         state = safe_load(osp.join(path, WEIGHTS_FILE), self.allow_unsafe)[STATE_DICT_KEY]
-        load_full_state_dict(run.model, [e.optimizer for e in run.specs.engines().values()],
+        load_full_state_dict(self.model, [e.optimizer for e in self.specs.engines().values()],
                              state, path)
         self.logger.warning(
             f'{path} holds no optimizer state (saved with save_optimizer=False, or before '

@@ -38,6 +38,7 @@ from ..compat import diff_rank_seed, set_loop_position
 from ..engine.spec import named_wrappers
 from ..engine.wrapper import released_guard
 from ..hooks.nonfinite import EXCLUDED_KEY, RollBack
+from ..strategy import strategy_of
 from .iterator import EpochIterator
 from .order import ResumableSampler, create_iterator, make_resumable
 
@@ -172,7 +173,7 @@ def roll_back(loop: Any, rollback: RollBack) -> None:
     """Restore ``rollback.path`` on every rank and leave ``rollback.excluded`` out from
     there on (collective: every rank raised the same :class:`RollBack`)."""
     runner = loop.runner
-    runner.checkpointer.restore(rollback.path)
+    strategy_of(runner, type(loop).__name__).checkpointer.restore(rollback.path)
     loop.leave_out(rollback.excluded)  # after the restore, which put the hub's older list back
     for wrapper in named_wrappers(runner.optim_wrapper).values():
         wrapper.initialize_count_status(runner.model, loop.iter, loop.max_iters)

@@ -20,6 +20,7 @@ from mmengine.registry import HOOKS
 from typing_extensions import override
 
 from ..checkpoint.export import publish_checkpoint
+from ..strategy import strategy_of
 
 
 @HOOKS.register_module()
@@ -58,8 +59,8 @@ class DeepSpeedCheckpointHook(CheckpointHook):
         if not is_main_process():
             return
         assert self.published_keys is not None
-        out, missing = publish_checkpoint(ckpt_path, self.published_keys,
-                                          getattr(runner, 'allow_unsafe_checkpoints', False))
+        unsafe = strategy_of(runner, 'DeepSpeedCheckpointHook').allow_unsafe_checkpoints
+        out, missing = publish_checkpoint(ckpt_path, self.published_keys, unsafe)
         if missing:
             runner.logger.warning(
                 f'published_keys {missing} are not published: DeepSpeed keeps the optimizer '

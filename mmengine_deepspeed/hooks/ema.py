@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from ..checkpoint.layout import EMA_KEY
 from ..compat import ema_started
+from ..strategy import strategy_of
 from ..zero.gather import gathered, whole_copy
 
 
@@ -171,7 +172,7 @@ class DeepSpeedEMAHook(EMAHook):
     @override
     def after_load_checkpoint(self, runner: Any, checkpoint: dict) -> None:
         """Resume the averaged model; ``load_from`` weights are in the template already."""
-        if not runner.checkpointer.resuming:
+        if not strategy_of(runner, 'EMAHook').checkpointer.resuming:
             return
         if EMA_KEY in checkpoint:
             self.ema_model.load_state_dict(checkpoint[EMA_KEY], strict=self.strict_load)

@@ -17,7 +17,8 @@ from typing_extensions import override
 
 from ..plan.saved import SavedTensorCounter
 from ..process_memory import peak_memory_mb
-from .agreement import agreement_of, logging_interval
+from ..strategy import agreement_of, strategy_of
+from ..strategy.agreement import logging_interval
 
 
 def _reason(error: Exception) -> str:
@@ -59,21 +60,22 @@ class ThroughputHook(Hook):
     def before_train(self, runner: Any) -> None:
         self._last = None
         # fixed for the run: read once, not per iteration
-        self._samples = runner.engine_specs.shared('train_micro_batch_size_per_gpu') \
+        strategy = strategy_of(runner, 'ThroughputHook')
+        self._samples = strategy.specs.shared('train_micro_batch_size_per_gpu') \
             * runner.world_size
         self._tokens = getattr(runner.model.module, 'tokens_per_sample', None)
         if self.interval is None:
             self._reduce_every = logging_interval(runner)
-        agreement_of(runner).provide('peak_mem_mb', lambda: [peak_memory_mb()])
+        strategy.agreement.provide('peak_mem_mb', lambda: [peak_memory_mb()])
 
     @override
     def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
-        if (self._prediction is not None or self._counting is not None
-                or not hasattr(runner, 'predicted_peak_mib')):
+        if self._prediction is not None or self._counting is not None:
             return
+        strategy = strategy_of(runner, 'ThroughputHook')
         try:
             self._prediction = (f'`mmengine-deepspeed plan` predicts '
-                                f'{runner.predicted_peak_mib(data_batch):.0f} MiB')
+                                f'{strategy.predicted_peak_mib(data_batch):.0f} MiB')
         except Exception as e:  # a prediction must never stop training
             why = _reason(e)
             if runner.cfg.get('compile'):  # dynamo traces no saved-tensor hooks: not counted
@@ -81,7 +83,7 @@ class ThroughputHook(Hook):
                                     '`compile` the first step is not measured; `mmengine-'
                                     'deepspeed plan` measures this model with one real step)')
                 return
-            counter = SavedTensorCounter(runner.bare_model)
+            counter = SavedTensorCounter(strategy.bare_model)
             context = counter.hooks()
             context.__enter__()  # left in after_train_iter: this iteration is measured
             self._counting = (counter, context, why)
@@ -92,9 +94,10 @@ class ThroughputHook(Hook):
         counter, context, why = self._counting
         context.__exit__(None, None, None)
         try:
+            peak = strategy_of(runner, 'ThroughputHook').predicted_peak_mib(data_batch,
+                                                                            counter.peak)
             self._prediction = (
-                f'`mmengine-deepspeed plan` predicts '
-                f'{runner.predicted_peak_mib(data_batch, counter.peak):.0f} MiB (the meta '
+                f'`mmengine-deepspeed plan` predicts {peak:.0f} MiB (the meta '
                 f'device cannot run this model ({why}): its activations measured in this '
                 'first iteration)')
         except Exception as e:  # a prediction must never stop training
@@ -115,7 +118,7 @@ class ThroughputHook(Hook):
             self._measured_prediction(runner, data_batch)
         iteration = runner.iter  # a property of a property: read once
         if (iteration + 1) % self._reduce_every == 0 or iteration == 0:
-            peak = agreement_of(runner).agreed(iteration)['peak_mem_mb'][0]
+            peak = agreement_of(runner, 'ThroughputHook').agreed(iteration)['peak_mem_mb'][0]
             hub.update_scalar('train/peak_mem_mb', peak)
             if self._prediction is not None and not self._said:
                 self._said = True

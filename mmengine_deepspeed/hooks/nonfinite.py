@@ -8,7 +8,7 @@ and acts on it, without a host read of its own:
   interval (``DeferredMessageHub.observe``): each rank's non-finite losses,
   with the iteration they were logged at, and every optimizer's count of skipped
   updates (``skipped_steps``, logged at every precision);
-* at each of the run's agreements (``hooks/agreement.py``, on a CPU group: the
+* at each of the run's agreements (``strategy/agreement.py``, on a CPU group: the
   logging iterations, and about every 2 s between them) the ranks agree whether
   any of them saw a skipped update, a non-finite loss or a loss spike; only then do
   they read the hub (every loss until now) and gather what each saw (a second small
@@ -44,7 +44,8 @@ from ..dist import cpu_group
 from ..engine.optim_wrapper import DeepSpeedOptimWrapper
 from ..engine.spec import named_wrappers
 from ..failure import AgreedExit
-from .agreement import Agreement, agreement_of, logging_interval
+from ..strategy import agreement_of
+from ..strategy.agreement import Agreement, logging_interval
 from .failed_steps import FailedStep, FailedStepWatch, NonFinitePolicy
 from .preemption import (
     at_update_boundary,
@@ -146,7 +147,7 @@ class NonFiniteHook(Hook):
             seen = self._watch.seen
             return [float(rank == runner.rank and seen) for rank in range(world)]
 
-        self._agreement = agreement_of(runner)
+        self._agreement = agreement_of(runner, 'NonFiniteHook')
         self._agreement.provide('nonfinite', flags)
 
     def _observe(self, key: str, iteration: int, value: float) -> None:
@@ -161,7 +162,8 @@ class NonFiniteHook(Hook):
             self._positions[iteration] = loop.batch_position(batch_idx)
         logging = (iteration + 1) % self._interval == 0
         if self._stopping is None and (
-                logging or (self._agreement or agreement_of(runner)).due(iteration)):
+                logging or (self._agreement
+                            or agreement_of(runner, 'NonFiniteHook')).due(iteration)):
             self._report(runner, logging)
         if self._stopping is not None and at_update_boundary(runner.optim_wrapper):
             self._stop(runner)
@@ -170,7 +172,7 @@ class NonFiniteHook(Hook):
         """At the run's agreements: the logging iterations (the hub was read: everything
         is known) and, about every 2 s between them, what the host knows already (skips
         DeepSpeed decided): a stop or rollback comes within seconds of those."""
-        if not any(agreement_of(runner).agreed(runner.iter)['nonfinite']):
+        if not any(agreement_of(runner, 'NonFiniteHook').agreed(runner.iter)['nonfinite']):
             if logging:  # between them, losses not read yet may still prove bad
                 self._positions.clear()
             return
@@ -258,7 +260,7 @@ class NonFiniteHook(Hook):
             f'{self.policy.max_rollbacks}), leaving out the samples {sorted(excluded)} of the '
             f'failed steps from now on ({osp.join(runner.work_dir, EXCLUDED_FILE)} lists all '
             f'{len(self.excluded)}; checkpoints remember them).')
-        agreement_of(runner).restart()
+        agreement_of(runner, 'NonFiniteHook').restart()
         raise RollBack(path, self.excluded)
 
     @staticmethod

@@ -8,7 +8,7 @@ limit. :class:`PreemptionHook` turns either into a clean stop:
 1. while ``train()`` runs, the signal only sets a flag (never inside a step
    or a collective, where a rank cannot stop alone);
 2. the ranks agree whether any of them got a signal with the run's other
-   agreements (``hooks/agreement.py``: one small all-reduce on a CPU group,
+   agreements (``strategy/agreement.py``: one small all-reduce on a CPU group,
    about every 2 seconds of training and at every logging iteration), so a
    rank that got none stops with the others, at the first update boundary
    from there;
@@ -43,7 +43,8 @@ from ..checkpoint.layout import LAST_CHECKPOINT, write_text_atomic
 from ..compat import save_with_checkpoint_hook
 from ..engine.spec import named_wrappers
 from ..failure import AgreedExit
-from .agreement import Agreement, agreement_of
+from ..strategy import agreement_of
+from ..strategy.agreement import Agreement
 
 DEFAULT_SIGNALS = ('SIGTERM', 'SIGUSR1')
 
@@ -61,7 +62,7 @@ class PreemptionHook(Hook):
         signals (Sequence[str]): Signal names to catch while training. Defaults
             to ``('SIGTERM', 'SIGUSR1')``.
         interval (int, optional): Agree on a stop every this many iterations.
-            None: with the run's other agreements (``hooks/agreement.py``: at
+            None: with the run's other agreements (``strategy/agreement.py``: at
             LoggerHook's intervals, and in between about every 2 seconds of
             training, one small all-reduce on a CPU group for all of them).
             Defaults to None.
@@ -118,7 +119,7 @@ class PreemptionHook(Hook):
     @override
     def before_train(self, runner: Any) -> None:
         self._stop = None
-        self._agreement = agreement_of(runner)
+        self._agreement = agreement_of(runner, 'PreemptionHook')
         self._agreement.provide(
             'signal', lambda: [float(self.received or 0) if rank == runner.rank else 0.0
                                for rank in range(runner.world_size)])
@@ -128,7 +129,7 @@ class PreemptionHook(Hook):
                          outputs: Any = None) -> None:
         """Agree on a stop; if any rank got a signal, save and leave ``train()`` (at an
         update boundary: accumulated gradients are not in a checkpoint)."""
-        agreement = self._agreement or agreement_of(runner)
+        agreement = self._agreement or agreement_of(runner, 'PreemptionHook')
         iteration = runner.iter  # a property of a property: read once
         due = (iteration + 1) % self.interval == 0 if self.interval else agreement.due(iteration)
         if due and self._stop is None:

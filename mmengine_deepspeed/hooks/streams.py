@@ -7,6 +7,8 @@ from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 from typing_extensions import override
 
+from ..strategy import strategy_of
+
 
 @HOOKS.register_module()
 class StreamsAfterValidationHook(Hook):
@@ -34,4 +36,5 @@ class StreamsAfterValidationHook(Hook):
     @override
     def after_val(self, runner: Any) -> None:
         if self._training:
-            runner.checkpointer.after_validation(runner.epoch, runner.iter)
+            strategy_of(runner, 'StreamsAfterValidationHook').checkpointer.after_validation(
+                runner.epoch, runner.iter)

@@ -30,7 +30,7 @@ def main() -> None:
     runner = DeepSpeedRunner.from_cfg(Config(cfg))
     runner.train()
     dtype = next(runner.model.module.parameters()).dtype
-    print(f'PRECISION {runner.engine_specs.precision} {str(dtype).replace("torch.", "")}',
+    print(f'PRECISION {runner.strategy.specs.precision} {str(dtype).replace("torch.", "")}',
           flush=True)
     assert dtype == torch.float32
 

@@ -45,7 +45,7 @@ def main() -> None:
     runner = RUNNERS.build(Config(dict(cfg, runner_type='DeepSpeedRunner')))
     runner.train()
     ours = peak_memory_mb() if deterministic else largest_storage_elements()
-    bucket = runner.engine_specs.shared('zero_optimization.reduce_bucket_size')
+    bucket = runner.strategy.specs.shared('zero_optimization.reduce_bucket_size')
     module = runner.model.module
     trainable = sum(getattr(p, 'ds_numel', p.numel()) for p in module.parameters()
                     if p.requires_grad)

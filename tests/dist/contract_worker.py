@@ -49,11 +49,11 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     result: dict[str, Any] = {}
     if 'save_first' in scenario:  # before train() or val(): no engine yet
         runner.save_checkpoint(runner.work_dir, scenario['save_first'], by_epoch=False)
-        with deepspeed.zero.GatheredParameters(list(runner.bare_model.parameters())):
-            result['first_state'] = model_state(runner.bare_model)
+        with deepspeed.zero.GatheredParameters(list(runner.strategy.bare_model.parameters())):
+            result['first_state'] = model_state(runner.strategy.bare_model)
     if scenario.get('ema_by_hand'):  # EMAHook's steps called by hand, before any engine
         hook = next(h for h in runner.hooks if isinstance(h, DeepSpeedEMAHook))
-        bare = runner.bare_model
+        bare = runner.strategy.bare_model
         with deepspeed.zero.GatheredParameters(list(bare.parameters())):
             result['before'] = model_state(bare)
         hook.before_run(runner)
@@ -78,11 +78,12 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
         again = runner.build_optim_wrapper(first)
         last = runner.build_optim_wrapper(dict(optimizer=dict(type='AdamW', lr=0.01)))
         result.update(factory_types=[type(w).__name__ for w in (first, again, last)],
-                      factory_same=again is first, engines_before_train=len(runner.engines))
+                      factory_same=again is first,
+                      engines_before_train=len(runner.strategy.engines()))
         runner.optim_wrapper = last
     if not scenario.get('val_only'):
         runner.train()
-        engine = next(iter(runner.engines.values()))
+        engine = next(iter(runner.strategy.engines().values()))
         result['client_optimizer'] = type(engine.client_optimizer).__name__
         result.update(losses=recorder(runner).losses, lrs=recorder(runner).lrs)
     result['metrics'] = dict(runner.val())
@@ -106,7 +107,7 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
         built = runner.build_optim_wrapper(cfg['optim_wrapper'])
         result.update(rebuilt=type(built).__name__,
                       still=type(runner.optim_wrapper).__name__,
-                      engines_after_rebuild=len(runner.engines))
+                      engines_after_rebuild=len(runner.strategy.engines()))
     torch.save(result, osp.join(out_dir, f'{name}.rank{os.environ["RANK"]}.pt'))
     if scenario.get('destroy'):
         dist.destroy_process_group()

@@ -65,7 +65,7 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
     result['val_modes'] = list(getattr(module, 'val_modes', []))
     engines = getattr(runner, 'engines', {})
     result.update(engines={n: type(e.module).__name__ for n, e in engines.items()},
-                  engine_modules=(runner.engine_specs.modules() if hasattr(runner, 'engine_specs')
+                  engine_modules=(runner.strategy.specs.modules() if hasattr(runner, 'strategy')
                                   else {}),
                   stages={n: e.zero_optimization_stage() for n, e in engines.items()},
                   steps={n: e.global_steps for n, e in engines.items()},

@@ -92,7 +92,7 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
         result.update(init_state=runner.init_state, state=_gathered_state(module),
                       params=[n for n, _ in module.named_parameters()],
                       ema=ema_state(runner), checkpoint_calls=calls.calls,
-                      optimizer=type(runner.engines['model'].basic_optimizer).__name__)
+                      optimizer=type(runner.strategy.engines()['model'].basic_optimizer).__name__)
         if hasattr(module, 'plain_tensors'):
             result['plain'] = module.plain_tensors()
         deepspeed.checkpointing.checkpoint = calls._checkpoint

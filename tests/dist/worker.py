@@ -211,7 +211,7 @@ def run(out_dir: str, scenario: dict) -> None:
         torch.save(result, osp.join(out_dir, f'{name}.rank{runner.rank}.pt'))
         os.environ.pop('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', None)
         return
-    engine = runner.engines['model']
+    engine = runner.strategy.engines()['model']
     with deepspeed.zero.GatheredParameters(list(module.parameters())):
         state = model_state(module)
         shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
@@ -221,7 +221,7 @@ def run(out_dir: str, scenario: dict) -> None:
         param_dtype=str(next(module.parameters()).dtype), global_steps=engine.global_steps,
         has_optimizer=engine.client_optimizer is not None, ema=ema_state(runner),
         compiled=engine.is_compiled,
-        zero_config=runner.engine_specs.shared('zero_optimization'),
+        zero_config=runner.strategy.specs.shared('zero_optimization'),
         engine_optimizer=type(engine.optimizer).__name__, backend=torch.distributed.get_backend(),
         wrapper=type(runner.model).__name__, module=type(module).__name__)
     torch.save(result, osp.join(out_dir, f'{name}.rank{runner.rank}.pt'))

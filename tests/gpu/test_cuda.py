@@ -58,7 +58,7 @@ def test_deepcompile_at_zero3_trains_as_eager(tmp_path: Any) -> None:
     expected = model_state(whole_copy(eager.model.module))
     compiled = _train(tmp_path / 'deepcompile', dict(ds_config, compile={'deepcompile': True}),
                       {'type': 'SGD', 'lr': 0.1}, compile=True)
-    assert all(spec.engine.is_deepcompile_active() for spec in compiled.engine_specs)
+    assert all(spec.engine.is_deepcompile_active() for spec in compiled.strategy.specs)
     for key, value in model_state(whole_copy(compiled.model.module)).items():
         torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-5)
 

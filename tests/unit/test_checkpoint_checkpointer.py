@@ -22,7 +22,7 @@ from mmengine.optim.scheduler import LinearLR
 from torch import nn
 
 from mmengine_deepspeed import init_distributed
-from mmengine_deepspeed.checkpoint.checkpointer import Checkpointer, Collaborators
+from mmengine_deepspeed.checkpoint.checkpointer import Checkpointer
 from mmengine_deepspeed.checkpoint.layout import (
     ITERATOR_STREAMS_KEY,
     META_KEY,
@@ -120,14 +120,13 @@ class Run:
         self.loop = Loop()
         self.hub = MessageHub.get_instance('test_checkpointer')
         self.hooks: list[tuple[str, dict]] = []
-        self.checkpointer = Checkpointer(work_dir, resume=False, load_from=None,
-                                         allow_unsafe=False, logger=LOGGER)
-        self.checkpointer.attach(Collaborators(
-            specs=self.specs, model=self.model, parts=self.parts, call_hook=self.call_hook,
-            world_size=1, rank=0, seed=7, experiment_name='unit'))
+        self.checkpointer = Checkpointer(
+            work_dir, self.specs, self.model, parts=self.parts, call_hook=self.call_hook,
+            resume=False, load_from=None, allow_unsafe=False, logger=LOGGER, world_size=1,
+            rank=0, seed=7, experiment_name='unit')
 
     def parts(self, meta: Optional[dict], save_param_scheduler: bool) -> list[Part]:
-        return run_parts(  # the runner's list (DeepSpeedRunner.checkpoint_parts)
+        return run_parts(  # the runner's list (strategy/checkpoints.checkpoint_parts)
             wrappers=named_wrappers(self.optim_wrapper) if self.wrappers else {},
             model=self.model, modules=self.specs.modules(), loop=self.loop, hub=self.hub,
             schedulers=self.schedulers, schedule='max_iters=8', logger=LOGGER, meta=meta,
@@ -282,10 +281,3 @@ def test_restoring_other_engines_is_refused_by_name(tmp_path: Any) -> None:
     with pytest.raises(CheckpointError, match=r"holds the engines .*'generator'.*optim_wrapper"):
         Run(str(tmp_path), several=False).checkpointer.restore(path)
 
-
-def test_nothing_is_saved_or_loaded_before_attach(tmp_path: Any) -> None:
-    checkpointer = Checkpointer(str(tmp_path), resume=False, load_from=None,
-                                allow_unsafe=False, logger=LOGGER)
-    with pytest.raises(RuntimeError, match='attach'):
-        checkpointer.save(str(tmp_path / 'x'), meta={'epoch': 0, 'iter': 0},
-                          weights_only=False)

@@ -440,9 +440,10 @@ def test_a_remote_checkpoint_backend_is_refused_by_name(key: str, args: dict) ->
     """Local ones (``'local'``, FileClient's ``'disk'``) are accepted
     (tests/dist/test_checkpoint_hook.py saves with one); remote ones fail before anything
     is written."""
-    from mmengine_deepspeed.runner_checkpoint import CheckpointMethods
+    from mmengine_deepspeed.strategy.checkpoints import save_checkpoint
 
     with pytest.raises(ValueError, match=rf"CheckpointHook {key}=.* names a remote storage "
                                          rf"backend.*remove {key}"):
-        CheckpointMethods.save_checkpoint(object(), '/nonexistent', 'iter_1.pth',  # type: ignore[arg-type]
-                                          **{key: args})
+        save_checkpoint(object(), '/nonexistent/iter_1.pth',  # type: ignore[arg-type]
+                        save_optimizer=True, save_param_scheduler=True, meta=None,
+                        by_epoch=True, backends={key: args})

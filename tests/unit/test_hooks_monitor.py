@@ -8,6 +8,13 @@ from mmengine.logging import MessageHub
 
 from mmengine_deepspeed.config.resolve import MMEngineSettings
 from mmengine_deepspeed.engine.spec import EngineSpecs
+from mmengine_deepspeed.strategy import RunStrategy
+
+
+class _Strategy(RunStrategy):
+    """The runner's strategy, its user's model and its prediction set by a test."""
+
+    bare_model: Any = None  # type: ignore[assignment]
 
 
 class _ThroughputRunner:
@@ -17,9 +24,11 @@ class _ThroughputRunner:
         self.hooks = hooks
         self.iter = 0
         self.world_size = 1
-        self.engine_specs = EngineSpecs({'train_micro_batch_size_per_gpu': 4}, None,
-                                        {'model': MMEngineSettings()})
-        self.engine_specs.resolve(world_size=1)
+        specs = EngineSpecs({'train_micro_batch_size_per_gpu': 4}, None,
+                            {'model': MMEngineSettings()})
+        specs.resolve(world_size=1)
+        self.strategy = _Strategy(self, specs,  # type: ignore[arg-type]
+                                  allow_unsafe_checkpoints=False, zero_init=True)
         self.model = type('Wrapped', (), {'module': type('M', (), {'tokens_per_sample': 16})()})()
         self.message_hub = MessageHub.get_instance('throughput_hook_test')
 
@@ -74,7 +83,7 @@ def _said_after(runner: Any, iterations: int = 12, step: Any = None) -> list[str
 
 def test_the_plan_prediction_is_said_once_next_to_the_first_peak() -> None:
     runner = _ThroughputRunner([])
-    runner.predicted_peak_mib = lambda batch: 612.4  # type: ignore[attr-defined]
+    runner.strategy.predicted_peak_mib = lambda batch: 612.4  # type: ignore[method-assign]
     lines = _said_after(runner)
     assert len(lines) == 1
     assert lines[0].startswith('peak memory per rank after the first iteration: ')
@@ -89,7 +98,7 @@ def test_a_model_the_meta_device_cannot_run_is_predicted_from_its_first_step() -
 
     model = torch.nn.Linear(8, 16)
     runner = _ThroughputRunner([])
-    runner.cfg, runner.bare_model = Config(), model  # type: ignore[attr-defined]
+    runner.cfg, runner.strategy.bare_model = Config(), model  # type: ignore[attr-defined]
     calls: list[Any] = []
 
     def predicted_peak_mib(batch: Any, saved: Any = None) -> float:
@@ -102,7 +111,7 @@ def test_a_model_the_meta_device_cannot_run_is_predicted_from_its_first_step() -
     def step() -> None:
         torch.relu(model(torch.ones(4, 8))).sum().backward()
 
-    runner.predicted_peak_mib = predicted_peak_mib  # type: ignore[attr-defined]
+    runner.strategy.predicted_peak_mib = predicted_peak_mib  # type: ignore[method-assign]
     lines = _said_after(runner, step=step)
     # addmm saves the input (4x8 fp32), relu its output (4x16 fp32); the weight is a parameter
     assert calls == [None, (4 * 8 * 4 + 4 * 16 * 4, 0)]
@@ -110,7 +119,7 @@ def test_a_model_the_meta_device_cannot_run_is_predicted_from_its_first_step() -
         '(RuntimeError: Tensor.item() cannot be called on meta tensors): its activations ' \
         'measured in this first iteration)' in lines[0]
     # the prediction failing again is said, and training goes on
-    runner.predicted_peak_mib = lambda batch, saved=None: 1 / 0  # type: ignore[attr-defined]
+    runner.strategy.predicted_peak_mib = lambda batch, saved=None: 1 / 0  # type: ignore[method-assign]
     lines = _said_after(runner, step=step)
     assert len(lines) == 1 and 'no plan prediction (ZeroDivisionError: division by zero)' \
         in lines[0]
@@ -121,12 +130,12 @@ def test_a_compiled_model_is_not_counted() -> None:
     from mmengine.config import Config
 
     runner = _ThroughputRunner([])
-    runner.cfg, runner.bare_model = Config(dict(compile=True)), None  # type: ignore[attr-defined]
+    runner.cfg = Config(dict(compile=True))  # type: ignore[attr-defined]
 
     def predicted_peak_mib(batch: Any, saved: Any = None) -> float:
         raise RuntimeError('Cannot copy out of meta tensor')
 
-    runner.predicted_peak_mib = predicted_peak_mib  # type: ignore[attr-defined]
+    runner.strategy.predicted_peak_mib = predicted_peak_mib  # type: ignore[method-assign]
     lines = _said_after(runner)
     assert len(lines) == 1 and 'no plan prediction on the meta device (RuntimeError: Cannot ' \
         'copy out of meta tensor; with `compile` the first step is not measured' in lines[0]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,7 +13,6 @@ from mmengine.optim import OptimWrapper, OptimWrapperDict
 from mmengine.runner.priority import get_priority
 
 from mmengine_deepspeed.failure import AgreedExit, is_failure
-from mmengine_deepspeed.hooks.agreement import agreement_of
 from mmengine_deepspeed.hooks.monitor import ThroughputHook
 from mmengine_deepspeed.hooks.preemption import PreemptionHook, at_update_boundary
 from mmengine_deepspeed.hooks.registration import (
@@ -22,6 +20,7 @@ from mmengine_deepspeed.hooks.registration import (
     deepspeed_default_hooks,
     in_priority_order,
 )
+from tests.helpers import runner_stand_in
 
 
 def test_an_agreed_exit_is_no_failure_but_an_error_is() -> None:
@@ -46,9 +45,9 @@ def test_signals_are_caught_only_inside_the_block() -> None:
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGUSR1)  # a second one changes nothing
         assert hook.received == signal.SIGUSR1
-        runner = SimpleNamespace(rank=0, world_size=1, hooks=[])
+        runner = runner_stand_in(rank=0, world_size=1, hooks=[])
         hook.before_train(runner)  # no process group: this rank's own
-        assert agreement_of(runner).agreed(0)['signal'] == [int(signal.SIGUSR1)]
+        assert runner.strategy.agreement.agreed(0)['signal'] == [int(signal.SIGUSR1)]
     assert signal.getsignal(signal.SIGUSR1) is before
 
 

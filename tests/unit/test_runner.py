@@ -87,7 +87,7 @@ def test_build_optim_wrapper_is_mmengines_for_any_wrapper(tmp_path: Any) -> None
     """Called by the user: the config's own OptimWrapper type, and built wrappers in a
     dict (an OptimWrapperDict, on which param schedulers build per optimizer)."""
     runner = DeepSpeedRunner(**toy_config(str(tmp_path / 'w')), experiment_name='factory')
-    model = runner.bare_model
+    model = runner.strategy.bare_model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     built = runner.build_optim_wrapper(dict(optimizer=optimizer, type='CountingOptimWrapper',
                                             accumulative_counts=2))
@@ -128,7 +128,7 @@ def test_activation_checkpointing_of_a_missing_module_is_refused_before_training
     with pytest.raises(ValueError, match=r"activation_checkpointing names 'blocks\.99'.*"
                                          r'ToyModel.*named_modules\(\)'):
         runner.train()
-    assert not runner.engine_specs.built and runner.iter == 0
+    assert not runner.strategy.specs.built and runner.iter == 0
 
 
 def test_a_checkpoint_taken_in_train_records_the_whole_config(tmp_path: Any) -> None:

@@ -25,8 +25,8 @@ def test_when_the_model_is_built_whole_and_why() -> None:
 def test_zero_init_switch_reads_the_config(tmp_path: Any) -> None:
     cfg = toy_config(str(tmp_path), zero_init=False)
     assert DeepSpeedRunner(**{k: v for k, v in cfg.items() if k != 'zero_init'},
-                           cfg=cfg).zero_init is False
-    assert DeepSpeedRunner(**toy_config(str(tmp_path / 'b'))).zero_init is True
+                           cfg=cfg).strategy.zero_init is False
+    assert DeepSpeedRunner(**toy_config(str(tmp_path / 'b'))).strategy.zero_init is True
 
 
 def test_shape_of_a_partitioned_parameter_is_answered_without_gathering() -> None:

@@ -1,11 +1,14 @@
-"""hooks/agreement.py: when the ranks agree, and on what (one process: its own values)."""
+"""strategy/agreement.py: when the ranks agree, and on what (one process: its own values)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from mmengine.hooks import LoggerHook
 
-from mmengine_deepspeed.hooks.agreement import Agreement, agreement_of
+from mmengine_deepspeed.strategy import agreement_of, strategy_of
+from mmengine_deepspeed.strategy.agreement import Agreement
+from tests.helpers import runner_stand_in
 
 
 def _due(agreement: Agreement, iterations: int) -> list[int]:
@@ -38,10 +41,20 @@ def test_one_collective_per_iteration_whoever_asks() -> None:
 
 
 def test_the_run_has_one_agreement_at_loggerhooks_interval() -> None:
-    runner = SimpleNamespace(hooks=[LoggerHook(interval=7)])
-    first = agreement_of(runner)
-    assert agreement_of(runner) is first and first.interval == 7
-    assert agreement_of(SimpleNamespace(hooks=[])).interval == 10
+    runner = runner_stand_in(hooks=[LoggerHook(interval=7)])
+    first = agreement_of(runner, 'a hook')
+    assert agreement_of(runner, 'a hook') is first and first.interval == 7
+    assert agreement_of(runner_stand_in(hooks=[]), 'a hook').interval == 10
+
+
+def test_a_hook_given_a_plain_runner_says_what_it_needs() -> None:
+    """Hooks reach DeepSpeed state through ``runner.strategy`` only: a Runner without
+    one (or FlexibleRunner, whose strategy is MMEngine's) is told the fix."""
+    for runner in (SimpleNamespace(hooks=[]), SimpleNamespace(strategy=object())):
+        with pytest.raises(TypeError, match=r"PreemptionHook needs mmengine_deepspeed's "
+                                            r"DeepSpeedRunner, not SimpleNamespace: set "
+                                            r"runner_type='DeepSpeedRunner'"):
+            strategy_of(runner, 'PreemptionHook')
 
 
 def test_a_new_train_starts_afresh() -> None:

@@ -100,11 +100,3 @@ def logging_interval(runner: Any) -> int:
     loggers = [hook for hook in runner.hooks if isinstance(hook, LoggerHook)]
     return loggers[0].interval if loggers else 10
 
-
-def agreement_of(runner: Any) -> Agreement:
-    """The run's :class:`Agreement`, created by the first hook that asks for it."""
-    agreement = getattr(runner, 'training_agreement', None)
-    if agreement is None:
-        agreement = Agreement(logging_interval(runner))
-        runner.training_agreement = agreement
-    return agreement
