@@ -305,8 +305,10 @@ class DeepSpeedRunner(Runner):
     def load_or_resume(self) -> None:
         """Carry out the resume plan (``checkpoint/resume_plan.py``), resolved on first use:
         ``load_from`` weights went into the bare model before the engines; a resume restores
-        everything (``strategy/checkpoints.py``)."""
-        strategy_checkpoints.load_or_resume(self.strategy)
+        everything into training engines, and only its weights into an evaluation engine
+        (``Checkpointer.due``). Incomplete checkpoint directories (a save that was killed)
+        are skipped with a warning."""
+        self.strategy.load_planned(engines_built=True)
 
     @override
     def train(self) -> nn.Module:

@@ -39,7 +39,6 @@ from .layout import (
     check_checkpoint,
     engine_modules,
     engine_tag,
-    find_latest_complete,
     shard_files,
 )
 from .load_weights import load_weights_into
@@ -118,42 +117,26 @@ class Checkpointer:
         self._seed, self._experiment_name = seed, experiment_name
         self._resume = resume
         self._load_from = load_from
+        # after the elastic agent restarted the job, the latest checkpoint (resolve_plan)
+        self._restart = int(os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0)
         self._plan: Optional[ResumePlan] = None
-        self.weights_loaded = False  # weights are in the model (load_from, or a resume's)
-        self.restored = False  # the plan's whole state was restored into the engines
+        self._weights_loaded = False  # weights are in the model (load_from, or a resume's)
+        self._restored = False  # the plan's whole state was restored into the engines
         self._last_saved: Optional[tuple[str, int, int]] = None  # path, epoch, iter
 
-    def resume_after_restart(self) -> None:
-        """After the elastic agent restarted the job (``--max-restarts``), resume by itself.
-
-        torchrun (and ``mmengine-deepspeed train --max-restarts``) restart
-        every process when one dies, with ``TORCHELASTIC_RESTART_COUNT`` > 0;
-        the latest complete checkpoint in ``work_dir`` is then what to
-        continue from, whatever ``resume`` / ``load_from`` the config says.
-        """
-        restart = int(os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0)
-        if restart == 0:
-            return
-        latest, _ = find_latest_complete(self.work_dir)
-        if latest is None:
-            self.logger.warning(f'Restart {restart} of this job: no complete checkpoint in '
-                                f'{self.work_dir} yet, starting over.')
-            return
-        self.request_resume(latest)
-        self.logger.warning(f'Restart {restart} of this job: resuming from {latest}, the latest '
-                            'complete checkpoint.')
-
     def request_resume(self, path: str) -> None:
-        """Resume from ``path`` (``runner.resume`` before ``train()``, or a restart)."""
+        """Resume from ``path`` (``runner.resume`` before ``train()``), whatever the run
+        was built with."""
         if self._plan is not None and self._plan.resumes and self._plan.path == path:
             return
-        self._resume, self._load_from = True, path
+        self._resume, self._load_from, self._restart = True, path, 0
         self._plan = None
 
     @property
     def resuming(self) -> bool:
-        """Whether the run continues a checkpoint (not only loads weights)."""
-        return self._resume
+        """Whether the run continues a checkpoint (not only loads weights): the resolved
+        plan's answer (a restarted job resumes whatever the run was built with)."""
+        return self._plan.resumes if self._plan is not None else self._resume
 
     def _sharding(self) -> Sharding:
         return Sharding(self._world_size, self.specs.zero_stage)
@@ -164,22 +147,36 @@ class Checkpointer:
         if self._plan is None:
             self._plan = resolve_plan(resume=self._resume, path=self._load_from,
                                       work_dir=self.work_dir, current=self._sharding(),
-                                      logger=self.logger)
+                                      logger=self.logger, restart=self._restart)
         return self._plan
 
-    @property
-    def plan(self) -> ResumePlan:
-        """The plan :meth:`resolve_plan` resolved."""
-        if self._plan is None:
-            raise RuntimeError('The resume plan is resolved when train(), val() or test() '
-                               'starts; call resolve_plan() first.')
-        return self._plan
+    def due(self, *, engines_built: bool) -> Optional[ResumePlan]:
+        """What the resume plan loads now, if anything: the one place that decides what is
+        loaded when (the plan resolved at its first use).
+
+        Before the engines are built: ``load_from`` weights (a ``WEIGHTS`` plan), into the
+        bare model, so that DeepSpeed partitions them and keeps fp32 masters of them. Once
+        they are built: a resume (a plan that :attr:`~.resume_plan.ResumePlan.resumes`)
+        whose state is not in yet: into training engines everything; into an evaluation
+        engine (``val()`` / ``test()`` before ``train()``) its weights, unless they are in
+        already, and the rest when ``train()`` builds the training engines.
+
+        Returns:
+            ResumePlan | None: The plan, where something of it is due now.
+        """
+        plan = self.resolve_plan()
+        if not engines_built:
+            return plan if plan.kind is ResumeKind.WEIGHTS and not self._weights_loaded \
+                else None
+        if not plan.resumes or self._restored:
+            return None
+        return plan if self.specs.training or not self._weights_loaded else None
 
     def loads_universal(self, optimizers: Iterable[Optional[Optimizer]]) -> bool:
         """Whether engines about to be built with ``optimizers`` load a universal checkpoint
         (training engines, on a plan that reshards); optimizers a universal checkpoint
         cannot carry are refused before any work is done."""
-        plan = self.plan
+        plan = self.resolve_plan()
         training = [optimizer for optimizer in optimizers if optimizer is not None]
         if plan.kind is not ResumeKind.UNIVERSAL or not training:
             return False
@@ -202,7 +199,7 @@ class Checkpointer:
                 self.model, filename, strict=strict, revise_keys=list(revise_keys),
                 allow_unsafe=self.allow_unsafe, logger=self.logger, bare=not built)
         self._call_hook('after_load_checkpoint', checkpoint=checkpoint)
-        self.weights_loaded = True
+        self._weights_loaded = True
         return checkpoint
 
     def save(self, path: str, *, meta: dict[str, Any], weights_only: bool,
@@ -282,7 +279,7 @@ class Checkpointer:
             if saved is not None:
                 part.load_state_dict(saved)
         self._call_hook('after_load_checkpoint', checkpoint=client)
-        self.weights_loaded = self.restored = True
+        self._weights_loaded = self._restored = True
         self.logger.info(f'Checkpoint {path} restored in {time.perf_counter() - started:.1f} s.')
         return client
 

@@ -2,8 +2,9 @@
 
 MMEngine spreads this over ``resume``, ``load_from`` and a loaded flag; with
 DeepSpeed it also depends on the checkpoint itself (optimizer state or
-weights only) and on whether its layout (world size, ZeRO stage) is this
-run's. :func:`resolve_plan` reads all of it once and names the outcome.
+weights only), on whether its layout (world size, ZeRO stage) is this
+run's, and on whether the elastic agent restarted the job. :func:`resolve_plan`
+reads all of it once and names the outcome.
 """
 from __future__ import annotations
 
@@ -60,8 +61,12 @@ def plan_for(path: str, current: Sharding) -> ResumePlan:
 
 
 def resolve_plan(*, resume: bool, path: Optional[str], work_dir: str, current: Sharding,
-                 logger: Any) -> ResumePlan:
+                 logger: Any, restart: int = 0) -> ResumePlan:
     """The plan for MMEngine's ``resume`` / ``load_from`` arguments.
+
+    After the elastic agent restarted the job (torchrun's ``--max-restarts``, which
+    restarts every process when one dies), the latest complete checkpoint in
+    ``work_dir`` is what to continue from, whatever ``resume`` / ``load_from`` say.
 
     Args:
         resume (bool): ``resume``: continue a checkpoint.
@@ -71,10 +76,21 @@ def resolve_plan(*, resume: bool, path: Optional[str], work_dir: str, current: S
         current (Sharding): This run's layout.
         logger (Any): For skipped incomplete checkpoints and a resume with
             nothing to resume.
+        restart (int): ``TORCHELASTIC_RESTART_COUNT``: 0 for the job's first
+            attempt. Defaults to 0.
 
     Returns:
         ResumePlan: The plan.
     """
+    if restart:
+        latest, _ = find_latest_complete(work_dir)
+        if latest is None:
+            logger.warning(f'Restart {restart} of this job: no complete checkpoint in '
+                           f'{work_dir} yet, starting over.')
+        else:
+            logger.warning(f'Restart {restart} of this job: resuming from {latest}, the '
+                           'latest complete checkpoint.')
+            resume, path = True, latest
     if not resume:
         return ResumePlan(ResumeKind.WEIGHTS, path) if path else ResumePlan(ResumeKind.NONE)
     if path is None:

@@ -1,6 +1,6 @@
 """The strategy's checkpoint side: MMEngine's Runner checkpoint API on checkpoint directories.
 
-``save_checkpoint``, ``resume``, ``load_or_resume`` and ``load_checkpoint`` keep
+``save_checkpoint`` and ``resume`` keep
 MMEngine's signatures and meaning (the runner's overrides call these); what differs is
 that every rank takes part (a checkpoint is a directory of DeepSpeed shards plus our
 client state) and that loading never unpickles untrusted files by default. The work is
@@ -116,22 +116,3 @@ def resume(strategy: RunStrategy, path: str) -> None:
         runner.logger.warning(f'Resumed seed {resumed_seed} differs from the config seed '
                               f'{configured_seed}; the checkpoint\'s is kept.')
     runner.logger.info(f'Resumed from {path}: epoch {runner.epoch}, iter {runner.iter}')
-
-
-def load_or_resume(strategy: RunStrategy) -> None:
-    """Carry out the resume plan (``checkpoint/resume_plan.py``), resolved on first use.
-
-    ``load_from`` weights went into the bare model before the engines; a resume
-    restores everything into the training engines, or, before them (``val()`` /
-    ``test()``), loads its weights. Incomplete checkpoint directories (a save that was
-    killed) are skipped with a warning.
-    """
-    checkpointer = strategy.checkpointer
-    plan = checkpointer.resolve_plan()
-    if not plan.resumes or checkpointer.restored:
-        return
-    # Into the training engines; before them (val()/test()) the weights now and the
-    # rest when train() builds the engines, unless the weights are in already.
-    if strategy.specs.training or not checkpointer.weights_loaded:
-        strategy.runner.resume(str(plan.path))
-

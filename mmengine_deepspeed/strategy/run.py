@@ -28,7 +28,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..checkpoint.checkpointer import Checkpointer
-from ..checkpoint.resume_plan import ResumeKind
 from ..checkpoint.state import rng_state, set_rng_state
 from ..config.resolve import DsConfigSource
 from ..dist import cuda_available
@@ -113,7 +112,7 @@ class RunStrategy:
 
     def build_checkpointer(self, *, resume: bool, load_from: Optional[str]) -> None:
         """The run's checkpointer, with what it saves (once, at the end of the runner's
-        ``__init__``); it resumes by itself after an elastic restart."""
+        ``__init__``)."""
         runner = self.runner
         self._checkpointer = Checkpointer(
             runner.work_dir, self.specs, self.bare_model,
@@ -122,7 +121,6 @@ class RunStrategy:
             allow_unsafe=self.allow_unsafe_checkpoints, logger=runner.logger,
             world_size=runner.world_size, rank=runner.rank, seed=runner.seed,
             experiment_name=runner.experiment_name)
-        self._checkpointer.resume_after_restart()
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -258,12 +256,19 @@ class RunStrategy:
 
     def _before_partitioning(self, specs: EngineSpecs) -> None:
         """What needs the model whole, between the optimizers and ``deepspeed.initialize``."""
-        plan = self.checkpointer.plan
-        if plan.kind is ResumeKind.WEIGHTS and not self.checkpointer.weights_loaded:
-            # Into the bare model, so DeepSpeed partitions (and keeps fp32 masters of) them.
-            self.runner.load_checkpoint(str(plan.path))
+        self.load_planned(engines_built=False)
         # hooks that need the whole model (DeepSpeedEMAHook: its fp32 template)
         self.runner.call_hook('before_partitioning', model=self.bare_model)
+
+    def load_planned(self, *, engines_built: bool) -> None:
+        """Load what the resume plan says is due now (``Checkpointer.due``) through the
+        runner's own ``load_checkpoint`` / ``resume``, as MMEngine's ``load_or_resume``
+        calls them: before the engines are built (``load_from`` weights into the bare model)
+        and once they are (a resume)."""
+        due = self.checkpointer.due(engines_built=engines_built)
+        if due is not None:
+            load = self.runner.resume if due.resumes else self.runner.load_checkpoint
+            load(str(due.path))
 
     @staticmethod
     def optim_wrapper_as_built(

@@ -33,7 +33,7 @@ from mmengine_deepspeed.checkpoint.layout import (
     read_meta,
 )
 from mmengine_deepspeed.checkpoint.parts import ParamGroupsPart, Part, run_parts
-from mmengine_deepspeed.checkpoint.resume_plan import ResumeKind
+from mmengine_deepspeed.checkpoint.resume_plan import ResumeKind, ResumePlan
 from mmengine_deepspeed.config.resolve import MMEngineSettings
 from mmengine_deepspeed.engine.spec import SINGLE_ENGINE, EngineSpecs, named_wrappers
 
@@ -94,7 +94,8 @@ class Loop:
 class Run:
     """The runner side: what the Checkpointer is attached to."""
 
-    def __init__(self, work_dir: str, several: bool, train: bool = True):
+    def __init__(self, work_dir: str, several: bool, train: bool = True,
+                 load_from: Optional[str] = None):
         self.model = Model()
         names = {'generator': 'generator', 'discriminator': 'discriminator'} if several \
             else {SINGLE_ENGINE: ''}
@@ -122,7 +123,7 @@ class Run:
         self.hooks: list[tuple[str, dict]] = []
         self.checkpointer = Checkpointer(
             work_dir, self.specs, self.model, parts=self.parts, call_hook=self.call_hook,
-            resume=False, load_from=None, allow_unsafe=False, logger=LOGGER, world_size=1,
+            resume=False, load_from=load_from, allow_unsafe=False, logger=LOGGER, world_size=1,
             rank=0, seed=7, experiment_name='unit')
 
     def parts(self, meta: Optional[dict], save_param_scheduler: bool) -> list[Part]:
@@ -195,7 +196,6 @@ def test_a_saved_run_comes_back_whole(tmp_path: Any, several: bool) -> None:
     assert torch.equal(restored['draw'], saved['draw'])  # this rank's RNG streams
     assert client['hook_key'] == 'from a hook' and client[META_KEY]['iter'] == 5
     assert run.hooks[-1] == ('after_load_checkpoint', client)
-    assert run.checkpointer.restored and run.checkpointer.weights_loaded
     assert sorted(tag for e in run.specs.engines().values() for tag in e.loaded) \
         == sorted(engine_tag(name) for name in run.specs.engines())
 
@@ -256,8 +256,6 @@ def test_after_validation_rewrites_only_the_checkpoint_of_that_position(tmp_path
 
 def test_the_plan_is_resolved_once_and_again_after_a_resume_request(tmp_path: Any) -> None:
     run = Run(str(tmp_path), several=False)
-    with pytest.raises(RuntimeError, match='resolve_plan'):
-        run.checkpointer.plan  # noqa: B018  (not resolved before train/val/test)
     assert run.checkpointer.resolve_plan().kind is ResumeKind.NONE
     path = str(tmp_path / 'iter_2.pth')
     run.checkpointer.save(path, meta={'epoch': 0, 'iter': 2}, weights_only=False)
@@ -265,7 +263,34 @@ def test_the_plan_is_resolved_once_and_again_after_a_resume_request(tmp_path: An
     run.checkpointer.request_resume(path)
     plan = run.checkpointer.resolve_plan()
     assert (plan.kind, plan.path) == (ResumeKind.FULL, path)
-    assert run.checkpointer.plan is plan
+    assert run.checkpointer.resolve_plan() is plan
+
+
+def test_what_is_loaded_when(tmp_path: Any) -> None:
+    """``due``, the one place that decides: load_from weights before the engines; a resume
+    once they are built (everything into training engines, only the weights into an
+    evaluation engine, the rest when training engines are built); nothing twice."""
+    path = str(tmp_path / 'iter_2.pth')
+    Run(str(tmp_path), several=False).checkpointer.save(
+        path, meta={'epoch': 0, 'iter': 2}, weights_only=False)
+    weights = Run(str(tmp_path), several=False, load_from='w.pth').checkpointer
+    assert weights.due(engines_built=False) == ResumePlan(ResumeKind.WEIGHTS, 'w.pth')
+    assert weights.due(engines_built=True) is None
+    resumed = Run(str(tmp_path), several=False).checkpointer
+    resumed.request_resume(path)
+    assert resumed.due(engines_built=False) is None
+    assert resumed.due(engines_built=True) == ResumePlan(ResumeKind.FULL, path)
+    resumed.restore(path)
+    assert resumed.due(engines_built=True) is None
+    consolidated = str(tmp_path / 'iter_3.pth')  # weights the fake engines can read back
+    Run(str(tmp_path), several=False).checkpointer.save(
+        consolidated, meta={'epoch': 0, 'iter': 3}, weights_only=True)
+    evaluated = Run(str(tmp_path), several=False, train=False).checkpointer
+    evaluated.request_resume(consolidated)
+    assert evaluated.due(engines_built=True) == \
+        ResumePlan(ResumeKind.WEIGHTS_ONLY, consolidated)
+    evaluated.load_weights(consolidated, strict=True, revise_keys=())
+    assert evaluated.due(engines_built=True) is None
 
 
 def test_loading_weights_into_a_training_engine_is_refused(tmp_path: Any) -> None:

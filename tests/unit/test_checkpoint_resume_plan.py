@@ -53,6 +53,21 @@ def test_latest_complete_checkpoint_is_found_and_incomplete_ones_skipped(
     assert f'Skipping incomplete checkpoint {half}' in caplog.text
 
 
+def test_a_restarted_job_resumes_the_latest_checkpoint_whatever_the_config_says(
+        tmp_path: Any, caplog: Any) -> None:
+    """torchrun's --max-restarts: after a restart the latest complete checkpoint is resumed,
+    over load_from; with none yet, the config's plan stands."""
+    with caplog.at_level(logging.WARNING, logger='plan-test'):
+        assert plan(tmp_path, resume=False, path='w.pth', restart=1) == \
+            ResumePlan(ResumeKind.WEIGHTS, 'w.pth')
+    assert 'Restart 1 of this job: no complete checkpoint' in caplog.text
+    done = make_checkpoint(str(tmp_path / 'iter_4.pth'), 4, world_size=2, zero_stage=2)
+    with caplog.at_level(logging.WARNING, logger='plan-test'):
+        assert plan(tmp_path, resume=False, path='w.pth', restart=2) == \
+            ResumePlan(ResumeKind.FULL, done)
+    assert f'Restart 2 of this job: resuming from {done}' in caplog.text
+
+
 def test_another_world_size_reshards_through_a_universal_checkpoint(tmp_path: Any) -> None:
     path = make_checkpoint(str(tmp_path / 'iter_4.pth'), world_size=2, zero_stage=2)
     assert plan(tmp_path, Sharding(1, 2), path=path) == ResumePlan(ResumeKind.UNIVERSAL, path)
