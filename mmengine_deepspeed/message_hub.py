@@ -12,7 +12,7 @@ and makes it MMEngine's current hub (``MessageHub.get_current_instance()`` retur
 it), under an experiment name no earlier runner in the process has taken.
 
 Whoever needs every value as it becomes a number, with the iteration it was logged
-at (``hooks/nonfinite.py``: a loss that was not finite on this rank), registers an
+at (``guard/hook.py``: a loss that was not finite on this rank), registers an
 observer (:meth:`DeferredMessageHub.observe`) instead of reading the tensors itself,
 with the keys it wants: which observers a key goes to is decided once per key.
 

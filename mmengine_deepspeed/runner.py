@@ -37,9 +37,9 @@ from .engine.activation import checkpointed_modules
 from .engine.compile import compile_report
 from .engine.spec import as_plain_wrappers
 from .failure import failing_together
+from .guard.failed_steps import NonFinitePolicy, exclude_samples_of
+from .guard.hook import NonFiniteHook
 from .hooks.calling import HookCalls
-from .hooks.failed_steps import NonFinitePolicy, exclude_samples_of
-from .hooks.nonfinite import NonFiniteHook
 from .hooks.registration import (
     added_hooks,
     added_hooks_info,
@@ -88,7 +88,7 @@ class DeepSpeedRunner(Runner):
             whole (``zero/partitioned.py``). None reads ``cfg.zero_init``
             (default True). Defaults to None.
         nonfinite (dict, optional): What follows a step whose loss or gradients
-            were not finite (:class:`~.hooks.nonfinite.NonFinitePolicy`: ``policy``
+            were not finite (:class:`~.guard.hook.NonFinitePolicy`: ``policy``
             ``'skip'``, ``'stop'`` or ``'rollback'``, and its limits). None reads
             ``cfg.nonfinite`` (default ``dict(policy='skip')``). Defaults to None.
         exclude_samples (list[int] | str, optional): Dataset indices the training

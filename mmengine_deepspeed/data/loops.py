@@ -35,9 +35,8 @@ from typing_extensions import override
 
 from ..checkpoint.state import rng_state
 from ..compat import diff_rank_seed, set_loop_position
-from ..engine.spec import named_wrappers
 from ..engine.wrapper import released_guard
-from ..hooks.nonfinite import EXCLUDED_KEY, RollBack
+from ..guard.hook import EXCLUDED_KEY, RollBack
 from ..strategy import strategy_of
 from .iterator import EpochIterator
 from .order import ResumableSampler, create_iterator, make_resumable
@@ -64,7 +63,7 @@ def resumable_loop(loop: Any) -> Any:
 
 
 class IndexedBatches:
-    """What both loops tell about their batches (``hooks/nonfinite.py`` asks), and their
+    """What both loops tell about their batches (``guard/hook.py`` asks), and their
     first iteration run under ZeRO-3's guard (``zero/released_guard.py``)."""
 
     dataloader: DataLoader
@@ -170,13 +169,8 @@ class ResumableEpochBasedTrainLoop(IndexedBatches, EpochBasedTrainLoop):
 
 
 def roll_back(loop: Any, rollback: RollBack) -> None:
-    """Restore ``rollback.path`` on every rank and leave ``rollback.excluded`` out from
-    there on (collective: every rank raised the same :class:`RollBack`)."""
-    runner = loop.runner
-    strategy_of(runner, type(loop).__name__).checkpointer.restore(rollback.path)
-    loop.leave_out(rollback.excluded)  # after the restore, which put the hub's older list back
-    for wrapper in named_wrappers(runner.optim_wrapper).values():
-        wrapper.initialize_count_status(runner.model, loop.iter, loop.max_iters)
+    """The strategy's rollback (collective: every rank raised the same :class:`RollBack`)."""
+    strategy_of(loop.runner, type(loop).__name__).roll_back(rollback.path, rollback.excluded)
 
 
 def _log_skip(runner: Any, batches: int, where: str, at_sampler: bool) -> None:

@@ -29,7 +29,7 @@ run draws from the global random streams exactly where MMEngine's Runner does
 
 The wrapped sampler also remembers the indices it gave out last (which samples
 a batch held, for the log of a step that was not finite) and can leave samples
-out (``exclude_samples``, a rollback past bad data: ``hooks/nonfinite.py``): each
+out (``exclude_samples``, a rollback past bad data: ``guard/hook.py``): each
 excluded index is replaced by the one before it in the rank's pass (by the first
 one after it at the pass's start), so every rank keeps as many batches, of the same
 size, at the same positions, and a run told to leave samples out from its start

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Optional, Union, cast
 
 import deepspeed
@@ -42,6 +42,7 @@ from ..engine.spec import (
     as_plain_wrappers,
     mmengine_settings,
     named_optimizers,
+    named_wrappers,
 )
 from ..engine.wrapper import overrides
 from ..plan.census import import_scope
@@ -269,6 +270,18 @@ class RunStrategy:
         if due is not None:
             load = self.runner.resume if due.resumes else self.runner.load_checkpoint
             load(str(due.path))
+
+    def roll_back(self, path: str, excluded: Iterable[int]) -> None:
+        """Restore checkpoint ``path`` and leave ``excluded`` out from there on, besides
+        what the train loop's sampler (the one owner of the set) left out before
+        (collective; ``guard/hook.py`` decides, the loops call this)."""
+        runner = self.runner
+        loop = cast(Any, runner.train_loop)
+        before = loop.resumable_sampler.excluded
+        self.checkpointer.restore(path)
+        loop.leave_out(before | set(excluded))  # the restore put the hub's older copy back
+        for wrapper in named_wrappers(runner.optim_wrapper).values():
+            wrapper.initialize_count_status(runner.model, loop.iter, loop.max_iters)
 
     @staticmethod
     def optim_wrapper_as_built(

@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ('plan',),
     ('strategy',),
     ('hooks', 'message_hub'),
+    ('guard',),
     ('data',),
     ('runner',),
     ('plot', 'launch'),

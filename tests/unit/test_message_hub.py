@@ -79,7 +79,7 @@ def test_it_is_mmengines_current_hub_and_refuses_what_mmengine_refuses() -> None
 
 
 def test_observers_see_each_value_with_the_iteration_it_was_logged_at() -> None:
-    """hooks/nonfinite.py learns which iteration's loss was not finite, without a read of
+    """guard/hook.py learns which iteration's loss was not finite, without a read of
     its own: kept tensors when the hub is read, plain numbers at once."""
     hub = DeferredMessageHub.build('observed_hub_test')
     seen: list[tuple[str, int, float]] = []

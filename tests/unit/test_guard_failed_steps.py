@@ -1,4 +1,4 @@
-"""hooks/failed_steps.py: the policy's config, what one rank sees of failed steps and the
+"""guard/failed_steps.py: the policy's config, what one rank sees of failed steps and the
 limits, what is left out after a failed step, the exclude_samples key (the runs
 themselves: tests/dist/test_nonfinite.py)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os.path as osp
 
 import pytest
 
-from mmengine_deepspeed.hooks.failed_steps import (
+from mmengine_deepspeed.guard.failed_steps import (
     FailedStep,
     FailedStepWatch,
     NonFinitePolicy,

@@ -1,4 +1,4 @@
-"""What a failed step is, and the settings of what follows one (``hooks/nonfinite.py``).
+"""What a failed step is, and the settings of what follows one (``guard/hook.py``).
 
 :class:`NonFinitePolicy` is the ``nonfinite`` config key, checked when the runner is
 built; :class:`FailedStep` is one iteration whose step failed as every rank saw it: what

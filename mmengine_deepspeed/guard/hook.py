@@ -34,37 +34,42 @@ import os.path as osp
 from collections.abc import Iterable
 from typing import Any, Optional
 
-import torch.distributed as torch_dist
 from mmengine.hooks import Hook
 from typing_extensions import override
 
 from ..checkpoint.checkpointer import agreed_path
 from ..checkpoint.layout import latest_complete
-from ..dist import cpu_group
 from ..engine.optim_wrapper import DeepSpeedOptimWrapper
 from ..engine.spec import named_wrappers
 from ..failure import AgreedExit
-from ..strategy import agreement_of
-from ..strategy.agreement import Agreement, logging_interval
-from .failed_steps import FailedStep, FailedStepWatch, NonFinitePolicy
-from .preemption import (
+from ..hooks.preemption import (
     at_update_boundary,
     checkpoint_dir,
     checkpoint_hook,
     save_preemption_checkpoint,
 )
+from ..strategy import agreement_of
+from ..strategy.agreement import Agreement, logging_interval
+from .failed_steps import FailedStep, FailedStepWatch, NonFinitePolicy
+from .monitor import STEPS_FILE, gather_failed_steps, report_failed_steps
 
 # The message hub's runtime-info key of the samples left out (saved with checkpoints).
 EXCLUDED_KEY = 'excluded_samples'
-STEPS_FILE = 'nonfinite_steps.jsonl'
 EXCLUDED_FILE = 'excluded_samples.json'
 # The exit status of a run the policy stopped (a failure, not a success).
 STOP_STATUS = 3
 
 
 class RollBack(Exception):
-    """Raised on every rank alike from ``after_train_iter``; the loop restores ``path``
-    and leaves ``excluded`` (dataset indices) out from there on (``loops.py``)."""
+    """Raised on every rank alike from ``after_train_iter``; the loop has the strategy
+    restore ``path`` and leave ``excluded`` (dataset indices, besides those left out
+    already) out from there on (``RunStrategy.roll_back``).
+
+    An exception, not a flag: the iteration must end here, on every rank. The hooks after
+    this one (CheckpointHook among them) must not run on the state being abandoned (a
+    checkpoint of it could rotate away the one rolled back to), and MMEngine's loop must
+    not count the iteration (it does once ``after_train_iter`` returns).
+    """
 
     def __init__(self, path: str, excluded: Iterable[int]):
         super().__init__(path)
@@ -87,7 +92,7 @@ class NonFiniteHook(Hook):
 
     def __init__(self, policy: NonFinitePolicy, exclude_samples: Iterable[int] = ()):
         self.policy = policy
-        self.excluded = set(exclude_samples)
+        self.exclude_samples = frozenset(exclude_samples)  # the config's
         self.rollbacks = 0
         self._observing: Any = None  # the DeferredMessageHub observed (message_hub.py)
         self._agreement: Optional[Agreement] = None  # the run's, from before_train
@@ -118,25 +123,26 @@ class NonFiniteHook(Hook):
         self._reset(FailedStepWatch(
             self.policy, {w.skipped_steps_key: w.step_check.count_now() for w in wrappers},
             loss_scaled=[w.skipped_steps_key for w in wrappers if w.engine.fp16_enabled()]))
-        self.excluded |= set(hub.runtime_info.get(EXCLUDED_KEY, []))
-        if self.excluded:
+        # the config's, and those a resumed checkpoint left out
+        excluded = self.exclude_samples | set(hub.runtime_info.get(EXCLUDED_KEY, []))
+        if excluded:
             if getattr(runner.train_loop, 'resumable_sampler', None) is None:
                 raise ValueError(
                     'exclude_samples needs MMEngine\'s train loops and the loader\'s default '
                     'batch sampler (a sampler DeepSpeedRunner can wrap); this run has a custom '
                     'train loop, a custom batch_sampler or an IterableDataset.')
             size = len(runner.train_dataloader.dataset)
-            beyond = sorted(i for i in self.excluded if i >= size)
+            beyond = sorted(i for i in excluded if i >= size)
             if beyond:
                 raise ValueError(
                     f'exclude_samples names dataset indices {beyond[:10]}'
                     f'{"..." if len(beyond) > 10 else ""}, past the end of the training '
                     f'dataset ({size} samples: indices 0-{size - 1}); give indices of this '
                     'dataset (excluded_samples.json of a rollback of this config lists them).')
-            runner.train_loop.leave_out(self.excluded)
-            runner.logger.info(f'Leaving out {len(self.excluded)} samples of the training '
-                               f'data (exclude_samples): {sorted(self.excluded)[:20]}'
-                               f'{"..." if len(self.excluded) > 20 else ""}')
+            runner.train_loop.leave_out(excluded)
+            runner.logger.info(f'Leaving out {len(excluded)} samples of the training '
+                               f'data (exclude_samples): {sorted(excluded)[:20]}'
+                               f'{"..." if len(excluded) > 20 else ""}')
         self._interval = logging_interval(runner)
         world = runner.world_size
 
@@ -178,22 +184,21 @@ class NonFiniteHook(Hook):
             return
         runner.message_hub.read_pending()  # something failed: the losses until now, read
         # on every rank
-        steps = self._gather(runner)
-        self._positions.clear()
+        loop = runner.train_loop
+        given_out = getattr(loop, 'given_out', None)
+        positions = self._positions
+        steps = gather_failed_steps(
+            self._watch.take(), runner.rank,
+            lambda it: given_out(positions[it]) if given_out is not None and it in positions
+            else None)
+        self._positions = {}
         self._watch.reported(steps, runner.iter)
         if self.policy.policy == 'rollback':
             self._unresolved += steps
-        if runner.rank == 0:
-            with open(osp.join(runner.work_dir, STEPS_FILE), 'a', encoding='utf-8') as f:
-                for step in steps:
-                    f.write(json.dumps(step.record()) + '\n')
+        report_failed_steps(steps, work_dir=runner.work_dir, rank=runner.rank,
+                            skipped=self._watch.skipped, logger=runner.logger)
         limit = self._watch.limit_reached()
         spiked = any(step.spikes for step in steps)
-        said = '\n'.join(f'  {step.describe()}' for step in steps)
-        runner.logger.warning(
-            f'Steps that were not finite (skipped updates so far: '
-            f'{self._watch.skipped}; details in '
-            f'{osp.join(runner.work_dir, STEPS_FILE)}):\n{said}')
         if self.policy.policy == 'stop':
             self._stopping = 'nonfinite.policy="stop"'
         elif limit is not None or spiked:
@@ -202,66 +207,40 @@ class NonFiniteHook(Hook):
                 self._roll_back(runner, reason)
             self._stopping = f'{reason} (nonfinite.policy="{self.policy.policy}")'
 
-    def _gather(self, runner: Any) -> list[FailedStep]:
-        """Every rank's view of the failed iterations (collective; on failures only)."""
-        mine = self._watch.take()
-        mine_iterations = set(mine['skips']) | set(mine['bad']) | set(mine['spikes'])
-        loop = runner.train_loop
-        given_out = getattr(loop, 'given_out', None)
-        mine.update(rank=runner.rank, batches={
-            it: (given_out(self._positions[it]) if given_out is not None
-                 and it in self._positions else None) for it in mine_iterations})
-        views: list[Any] = [mine]
-        if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
-            views = [None] * torch_dist.get_world_size()
-            torch_dist.all_gather_object(views, mine, group=cpu_group())
-        steps: dict[int, FailedStep] = {}
-        for view in views:
-            rank = view['rank']
-            for it in view['skips']:
-                steps.setdefault(it, FailedStep(it)).skipped = True
-            for it, keys in view['bad'].items():
-                steps.setdefault(it, FailedStep(it)).losses[rank] = keys
-            for it in view['spikes']:
-                steps.setdefault(it, FailedStep(it)).spikes.append(rank)
-        for view in views:
-            for it, step in steps.items():
-                # each rank's batch of every failed iteration: gradients alone exclude all
-                step.batches[view['rank']] = view['batches'].get(it)
-        return [steps[it] for it in sorted(steps)]
-
     def _roll_back(self, runner: Any, reason: str) -> None:
         """Raise :class:`RollBack` on every rank, or return where none can be taken (the
         run then stops, saying why)."""
         first = min(step.iteration for step in self._unresolved)
         path = self._checkpoint_before(runner, first)
+        sampler = getattr(runner.train_loop, 'resumable_sampler', None)
         why_not = None
         if self.rollbacks >= self.policy.max_rollbacks:
             why_not = f'max_rollbacks={self.policy.max_rollbacks} reached'
-        elif getattr(runner.train_loop, 'resumable_sampler', None) is None:
+        elif sampler is None:
             why_not = ('the train loop or loader cannot leave samples out (a custom train loop '
                        'or batch sampler: see the warning at its build)')
         elif not path:
             why_not = (f'no complete checkpoint was taken before iteration {first + 1} '
                        '(CheckpointHook\'s interval)')
-        if why_not is not None:
+        if why_not is not None or sampler is None:
             runner.logger.warning(f'No rollback: {why_not}.')
             return
         excluded = {i for step in self._unresolved for i in step.culprits()}
-        self.excluded |= excluded
+        # the loop's sampler owns what is left out (RunStrategy.roll_back adds these)
+        after = sorted(sampler.excluded | excluded)
         self.rollbacks += 1
         self._unresolved = []
         self._watch.restart_limits()
         if runner.rank == 0:
             with open(osp.join(runner.work_dir, EXCLUDED_FILE), 'w', encoding='utf-8') as f:
-                json.dump(sorted(self.excluded), f)
+                json.dump(after, f)
         runner.logger.warning(
             f'{reason}: rolling back to {path} (rollback {self.rollbacks} of at most '
             f'{self.policy.max_rollbacks}), leaving out the samples {sorted(excluded)} of the '
             f'failed steps from now on ({osp.join(runner.work_dir, EXCLUDED_FILE)} lists all '
-            f'{len(self.excluded)}; checkpoints remember them).')
+            f'{len(after)}; checkpoints remember them).')
         agreement_of(runner, 'NonFiniteHook').restart()
-        raise RollBack(path, self.excluded)
+        raise RollBack(path, excluded)
 
     @staticmethod
     def _checkpoint_before(runner: Any, iteration: int) -> str:
