@@ -106,11 +106,11 @@ class Checkpointer:
                  parts: PartsOf, call_hook: CallHook, resume: bool, load_from: Optional[str],
                  allow_unsafe: bool, logger: Any, world_size: int, rank: int, seed: Any,
                  experiment_name: str):
-        self.work_dir = work_dir
-        self.specs = specs
-        self.model = model
-        self.allow_unsafe = allow_unsafe
-        self.logger = logger
+        self._work_dir = work_dir
+        self._specs = specs
+        self._model = model
+        self._allow_unsafe = allow_unsafe
+        self._logger = logger
         self._parts = parts
         self._call_hook = call_hook
         self._world_size, self._rank = world_size, rank
@@ -139,15 +139,15 @@ class Checkpointer:
         return self._plan.resumes if self._plan is not None else self._resume
 
     def _sharding(self) -> Sharding:
-        return Sharding(self._world_size, self.specs.zero_stage)
+        return Sharding(self._world_size, self._specs.zero_stage)
 
     def resolve_plan(self) -> ResumePlan:
         """The resume plan: resolved at its first call (the start of train/val/test, before
         anything loads), then kept until a new resume request."""
         if self._plan is None:
             self._plan = resolve_plan(resume=self._resume, path=self._load_from,
-                                      work_dir=self.work_dir, current=self._sharding(),
-                                      logger=self.logger, restart=self._restart)
+                                      work_dir=self._work_dir, current=self._sharding(),
+                                      logger=self._logger, restart=self._restart)
         return self._plan
 
     def due(self, *, engines_built: bool) -> Optional[ResumePlan]:
@@ -170,7 +170,7 @@ class Checkpointer:
                 else None
         if not plan.resumes or self._restored:
             return None
-        return plan if self.specs.training or not self._weights_loaded else None
+        return plan if self._specs.training or not self._weights_loaded else None
 
     def loads_universal(self, optimizers: Iterable[Optional[Optimizer]]) -> bool:
         """Whether engines about to be built with ``optimizers`` load a universal checkpoint
@@ -189,15 +189,15 @@ class Checkpointer:
         """Weights from ``filename`` into the model: the bare one before the engines, an
         evaluation engine's gathered (ZeRO-3); refused once a training engine holds fp32
         masters the weights would not reach."""
-        if self.specs.training:
+        if self._specs.training:
             raise RuntimeError(
                 f'load_checkpoint({filename!r}) after the training engine was built would not '
                 'reach its fp32 master weights; set load_from (or resume) before train().')
-        built = self.specs.built
-        with gathered(self.model, modify=True) if built else nullcontext():
+        built = self._specs.built
+        with gathered(self._model, modify=True) if built else nullcontext():
             checkpoint = load_weights_into(
-                self.model, filename, strict=strict, revise_keys=list(revise_keys),
-                allow_unsafe=self.allow_unsafe, logger=self.logger, bare=not built)
+                self._model, filename, strict=strict, revise_keys=list(revise_keys),
+                allow_unsafe=self._allow_unsafe, logger=self._logger, bare=not built)
         self._call_hook('after_load_checkpoint', checkpoint=checkpoint)
         self._weights_loaded = True
         return checkpoint
@@ -217,12 +217,12 @@ class Checkpointer:
         """
         started = time.perf_counter()
         path = agreed_path(path)
-        facts = run_facts(self.specs, seed=self._seed, world_size=self._world_size,
+        facts = run_facts(self._specs, seed=self._seed, world_size=self._world_size,
                           experiment_name=self._experiment_name)
         parts = self._parts(dict(meta, **facts), save_param_scheduler)
         facts.update(epoch=meta['epoch'], iter=meta['iter'])
-        if self.specs.several:
-            facts['engines'] = self.specs.modules()
+        if self._specs.several:
+            facts['engines'] = self._specs.modules()
         client: dict[str, Any] = {}
         rank_state: dict[str, Any] = {}
         for part in parts:
@@ -230,10 +230,10 @@ class Checkpointer:
             if state is not None:
                 (rank_state if part.per_rank else client)[part.key] = state
         self._call_hook('before_save_checkpoint', checkpoint=client)
-        save_checkpoint_dir(path, self.specs.engines(), self.model, plain(client),
+        save_checkpoint_dir(path, self._specs.engines(), self._model, plain(client),
                             plain(rank_state), facts, weights_only=weights_only)
         self._last_saved = (path, int(facts['epoch']), int(facts['iter']))
-        self.logger.info(f'Checkpoint {path} saved in {time.perf_counter() - started:.1f} s.')
+        self._logger.info(f'Checkpoint {path} saved in {time.perf_counter() - started:.1f} s.')
 
     def after_validation(self, epoch: int, iteration: int) -> None:
         """Rewrite this rank's own state in the checkpoint saved at this loop position, if any.
@@ -265,27 +265,27 @@ class Checkpointer:
         started = time.perf_counter()
         plan = plan_for(path, self._sharding())
         meta = check_checkpoint(path)
-        check_pickles([*shard_files(path), osp.join(path, CLIENT_FILE)], self.allow_unsafe)
-        client = safe_load(osp.join(path, CLIENT_FILE), self.allow_unsafe)
+        check_pickles([*shard_files(path), osp.join(path, CLIENT_FILE)], self._allow_unsafe)
+        client = safe_load(osp.join(path, CLIENT_FILE), self._allow_unsafe)
         if plan.kind is ResumeKind.WEIGHTS_ONLY:
             self._load_weights_only(path)
         else:
             self._load_engines(path, meta, plan.kind is ResumeKind.UNIVERSAL)
         # On another world size, rank r takes the RNG and buffers of rank r mod N.
         rank_file = osp.join(path, RANK_FILE.format(rank=self._rank % meta['world_size']))
-        rank_state = safe_load(rank_file, self.allow_unsafe)
+        rank_state = safe_load(rank_file, self._allow_unsafe)
         for part in self._parts(None, True):
             saved = (rank_state if part.per_rank else client).get(part.key)
             if saved is not None:
                 part.load_state_dict(saved)
         self._call_hook('after_load_checkpoint', checkpoint=client)
         self._weights_loaded = self._restored = True
-        self.logger.info(f'Checkpoint {path} restored in {time.perf_counter() - started:.1f} s.')
+        self._logger.info(f'Checkpoint {path} restored in {time.perf_counter() - started:.1f} s.')
         return client
 
     def _load_engines(self, path: str, meta: dict[str, Any], universal: bool) -> None:
         """DeepSpeed's shards into the engines, resharded if the layout changed."""
-        specs = self.specs
+        specs = self._specs
         saved_modules = engine_modules(meta)
         if saved_modules != specs.modules():
             raise CheckpointError(
@@ -295,10 +295,10 @@ class Checkpointer:
         saved = Sharding(meta['world_size'], meta['zero_stage'])
         current = self._sharding()
         if universal:
-            self.logger.info(f'Resharding {path}: {saved} -> {current}, through a DeepSpeed '
+            self._logger.info(f'Resharding {path}: {saved} -> {current}, through a DeepSpeed '
                              'universal checkpoint (converted once, kept beside it).')
         elif saved != current:
-            self.logger.info(f'Resuming {path} ({saved}) on {current}: ZeRO-0 state is whole.')
+            self._logger.info(f'Resuming {path} ({saved}) on {current}: ZeRO-0 state is whole.')
         for name, engine in specs.engines().items():
             tag = engine_tag(name)
             if universal:
@@ -311,10 +311,10 @@ class Checkpointer:
 
     def _load_weights_only(self, path: str) -> None:
         """A weights-only checkpoint's weights into the engines, fp32 masters included."""
-        state = safe_load(osp.join(path, WEIGHTS_FILE), self.allow_unsafe)[STATE_DICT_KEY]
-        load_full_state_dict(self.model, [e.optimizer for e in self.specs.engines().values()],
+        state = safe_load(osp.join(path, WEIGHTS_FILE), self._allow_unsafe)[STATE_DICT_KEY]
+        load_full_state_dict(self._model, [e.optimizer for e in self._specs.engines().values()],
                              state, path)
-        self.logger.warning(
+        self._logger.warning(
             f'{path} holds no optimizer state (saved with save_optimizer=False, or before '
             "train() built the optimizer): its weights, loop position, param schedulers and RNG "
             "states are restored, and the optimizer's own state (momentum, Adam moments) starts "
