@@ -63,10 +63,10 @@ def run(out_dir: str, scenario: dict[str, Any]) -> None:
         result['state'] = model_state(module)
     result['ema'] = ema_state(runner) if mode != 'plain' else None
     result['val_modes'] = list(getattr(module, 'val_modes', []))
-    engines = getattr(runner, 'engines', {})
+    ours = mode != 'plain'  # MMEngine's Runner has no strategy
+    engines = runner.strategy.engines() if ours else {}
     result.update(engines={n: type(e.module).__name__ for n, e in engines.items()},
-                  engine_modules=(runner.strategy.specs.modules() if hasattr(runner, 'strategy')
-                                  else {}),
+                  engine_modules=runner.strategy.specs.modules() if ours else {},
                   stages={n: e.zero_optimization_stage() for n, e in engines.items()},
                   steps={n: e.global_steps for n, e in engines.items()},
                   dtypes={n: str(next(e.module.parameters()).dtype) for n, e in engines.items()})
