@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from .config.layout import Layout
 from .config.resolve import DsConfigSource
 from .config.runner_keys import switch
 from .data.loops import IndexedBatches, resumable_loop
@@ -95,6 +96,10 @@ class DeepSpeedRunner(Runner):
             loader leaves out, or the path of a JSON list of them
             (``excluded_samples.json`` of a rollback). None reads
             ``cfg.exclude_samples``. Defaults to None.
+        layout (dict, optional): ``dict(world_size=N)``: train as the N-rank run of the
+            config would, on any number of ranks that divides N, each rank running N/W
+            virtual ranks as the micro-steps of every iteration (``config/layout.py``).
+            None reads ``cfg.layout`` (default: the run's own ranks). Defaults to None.
         **kwargs: Keyword arguments of :class:`mmengine.runner.Runner`.
     """
 
@@ -105,7 +110,8 @@ class DeepSpeedRunner(Runner):
     def __init__(self, *args: Any, ds_config: DsConfigSource = None,
                  allow_unsafe_checkpoints: Optional[bool] = None,
                  zero_init: Optional[bool] = None, nonfinite: Optional[dict] = None,
-                 exclude_samples: Union[list[int], str, None] = None, **kwargs: Any):
+                 exclude_samples: Union[list[int], str, None] = None,
+                 layout: Optional[dict] = None, **kwargs: Any):
         arguments = inspect.signature(Runner.__init__).bind(self, *args, **kwargs).arguments
         cfg = arguments.get('cfg')
         cfg = Config(cfg) if isinstance(cfg, dict) and not isinstance(cfg, Config) else cfg
@@ -115,10 +121,18 @@ class DeepSpeedRunner(Runner):
             self, cfg, arguments, ds_config=ds_config,
             allow_unsafe_checkpoints=switch(cfg, 'allow_unsafe_checkpoints',
                                             allow_unsafe_checkpoints, False),
-            zero_init=switch(cfg, 'zero_init', zero_init, True))
+            zero_init=switch(cfg, 'zero_init', zero_init, True),
+            layout=Layout.of(_from_cfg(cfg, 'layout', layout, None)))
         self.nonfinite_hook = NonFiniteHook(
             NonFinitePolicy.of(_from_cfg(cfg, 'nonfinite', nonfinite, None)),
             exclude_samples_of(_from_cfg(cfg, 'exclude_samples', exclude_samples, None)))
+        if self.strategy.layout is not None and (
+                self.nonfinite_hook.exclude_samples
+                or self.nonfinite_hook.policy.policy == 'rollback'):
+            raise ValueError(
+                'layout does not leave samples out yet (exclude_samples, nonfinite '
+                'policy=\'rollback\'): each virtual rank would have to leave them out of its '
+                'own pass. Remove one of them.')
         self._hook_calls = HookCalls(self.strategy.specs)
         super().__init__(*args, **kwargs)
         self.strategy.build_checkpointer(resume=bool(arguments.get('resume', False)),
@@ -191,6 +205,12 @@ class DeepSpeedRunner(Runner):
         """MMEngine's train loops, resuming exactly and without reloading data (``data/``);
         another loop class is built as it is, and the log says once what it goes without."""
         built = super().build_train_loop(resumable_loop(loop))
+        if not isinstance(built, IndexedBatches) and self.strategy.layout is not None:
+            raise ValueError(
+                f'layout needs MMEngine\'s train loops (its batches are made by them); the '
+                f'train loop {type(built).__name__} is not one. Derive it from '
+                'mmengine_deepspeed.data.loops.ResumableEpochBasedTrainLoop or '
+                'ResumableIterBasedTrainLoop, or remove layout.')
         if not isinstance(built, IndexedBatches):
             self.logger.warning(
                 f'The train loop {type(built).__name__} is not one DeepSpeedRunner resumes '
@@ -201,6 +221,22 @@ class DeepSpeedRunner(Runner):
                 'mmengine_deepspeed.data.loops.ResumableEpochBasedTrainLoop or '
                 'ResumableIterBasedTrainLoop.')
         return built
+
+    @override
+    def scale_lr(self, optim_wrapper: OptimWrapper,
+                 auto_scale_lr: Optional[dict] = None) -> None:
+        """MMEngine's ``auto_scale_lr``; under a layout for its global batch (N x the
+        batch), which the run trains with whatever its own number of ranks."""
+        layout = self.strategy.layout
+        if layout is not None and auto_scale_lr and auto_scale_lr.get('enable', False):
+            # MMEngine scales by world size x batch / base: the same ratio for N ranks
+            base = auto_scale_lr['base_batch_size']
+            self.logger.info(f'auto_scale_lr for the layout\'s {layout.world_size} ranks: '
+                             f'base_batch_size {base} read as {base * self.world_size} / '
+                             f'{layout.world_size} for this run\'s {self.world_size}.')
+            auto_scale_lr = dict(auto_scale_lr,
+                                 base_batch_size=base * self.world_size / layout.world_size)
+        super().scale_lr(optim_wrapper, auto_scale_lr)
 
     @override
     @staticmethod

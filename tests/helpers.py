@@ -260,6 +260,20 @@ class ToyRandomModel(ToyModel):
 
 
 @MODELS.register_module()
+class ToyDropoutModel(ToyModel):
+    """Dropout before the first layer: random numbers in training only (``predict`` draws
+    none, as most models)."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.dropout = nn.Dropout(0.3)
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Any:
+        return super().forward(self.dropout(inputs), labels, mode)
+
+
+@MODELS.register_module()
 class ToyFailingModel(ToyModel):
     """Raises in its training forward on one rank only (a corrupt sample there): by then
     the other ranks are on their way into DeepSpeed's gradient all-reduce.

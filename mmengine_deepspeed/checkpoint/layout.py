@@ -66,6 +66,8 @@ STATE_DICT_KEY = 'state_dict'
 # streams the current epoch's DataLoader iterator was created from.
 RANK_STATE_KEY = 'rank_state'
 ITERATOR_STREAMS_KEY = 'iterator_streams'
+# per rank: a layout's other virtual ranks' random streams and buffers
+VIRTUAL_RANKS_KEY = 'virtual_ranks'
 
 
 def engine_tag(name: str) -> str:

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..compat import set_loop_position
 from ..engine.spec import SINGLE_ENGINE
+from ..engine.virtual_ranks import VirtualRanks
 from .layout import (
     ITERATOR_STREAMS_KEY,
     MESSAGE_HUB_KEY,
@@ -26,6 +27,7 @@ from .layout import (
     PARAM_GROUPS_KEY,
     PARAM_SCHEDULERS_KEY,
     RANK_STATE_KEY,
+    VIRTUAL_RANKS_KEY,
 )
 from .state import hub_state, load_hub_state, load_rank_state, outside_engines, rank_state
 
@@ -218,6 +220,26 @@ class IteratorStreamsPart:
 
 
 @dataclass
+class VirtualRanksPart:
+    """A layout's virtual ranks after this rank's first: their random streams and
+    buffers (``engine/virtual_ranks.py``), per rank; nothing without a layout."""
+
+    virtual: Optional[VirtualRanks]
+    key: str = VIRTUAL_RANKS_KEY
+    per_rank: bool = True
+
+    def state_dict(self) -> Optional[dict]:
+        return self.virtual.state_dict() if self.virtual is not None else None
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.virtual is None:
+            raise ValueError(
+                'The checkpoint was saved by a run with layout (virtual ranks); resume it '
+                'with the same layout and number of ranks.')
+        self.virtual.load_state_dict(state)
+
+
+@dataclass
 class RankStatePart:
     """What differs between ranks: RNG states and buffers (BatchNorm statistics).
 
@@ -238,7 +260,8 @@ class RankStatePart:
 
 def run_parts(*, wrappers: dict[str, Any], model: nn.Module, modules: dict[str, str],
               loop: Any, hub: MessageHub, schedulers: Any, schedule: str, logger: Any,
-              meta: Optional[dict] = None, save_param_scheduler: bool = True) -> list[Part]:
+              meta: Optional[dict] = None, save_param_scheduler: bool = True,
+              virtual: Optional[VirtualRanks] = None) -> list[Part]:
     """The run state a checkpoint holds beside the engines, in restore order: the one list
     the runner saves and restores (and its tests use).
 
@@ -255,6 +278,8 @@ def run_parts(*, wrappers: dict[str, Any], model: nn.Module, modules: dict[str, 
         meta (dict, optional): The meta to save (loop position and facts); None when
             restoring. Defaults to None.
         save_param_scheduler (bool): Save the (built) param schedulers. Defaults to True.
+        virtual (VirtualRanks, optional): A layout's virtual ranks on this rank.
+            Defaults to None.
     """
     return [
         ParamGroupsPart(wrappers),
@@ -264,4 +289,5 @@ def run_parts(*, wrappers: dict[str, Any], model: nn.Module, modules: dict[str, 
         SchedulersPart(schedulers, schedule, logger, save_param_scheduler),
         RankStatePart(model),
         IteratorStreamsPart(loop),
+        VirtualRanksPart(virtual),
     ]

@@ -6,12 +6,13 @@ on the way out and rebuilt on the way in.
 """
 from __future__ import annotations
 
-import random
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
 from mmengine.logging import HistoryBuffer, MessageHub
+
+from ..random_streams import rng_state, set_rng_state
 
 
 def plain(value: Any) -> Any:
@@ -50,33 +51,6 @@ def load_hub_state(hub: MessageHub, state: dict[str, Any]) -> None:
                for key, v in state['log_scalars'].items()}
     hub.load_state_dict({'log_scalars': scalars, 'runtime_info': state['runtime_info'],
                          'resumed_keys': state['resumed_keys']})
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's python, numpy, torch and CUDA RNG states."""
-    version, mt_state, gauss = random.getstate()
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = cast(tuple, np.random.get_state())
-    state: dict[str, Any] = {
-        'python': (version, list(mt_state), gauss),
-        'numpy': (np_kind, torch.from_numpy(np_keys.astype(np.int64)), int(np_pos),
-                  int(np_has_gauss), float(np_gauss)),
-        'torch': torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state['cuda'] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`rng_state` (CUDA states only where CUDA is present)."""
-    version, mt_state, gauss = state['python']
-    random.setstate((version, tuple(mt_state), gauss))
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = state['numpy']
-    np.random.set_state((np_kind, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss,
-                         np_gauss))
-    torch.set_rng_state(state['torch'])
-    if 'cuda' in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state['cuda'])
 
 
 def rank_state(module: torch.nn.Module) -> dict[str, Any]:

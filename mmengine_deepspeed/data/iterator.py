@@ -10,7 +10,9 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from ..compat import InfiniteDataloaderIterator
+from ..engine.virtual_ranks import VirtualRanks
 from .order import ResumableSampler, create_iterator
+from .virtual_ranks import drawn_from, samples_per_batch
 
 
 class EpochIterator(InfiniteDataloaderIterator):
@@ -31,12 +33,15 @@ class EpochIterator(InfiniteDataloaderIterator):
             Defaults to None (create one now).
         streams (dict, optional): The random streams ``started`` was created
             from. Defaults to None.
+        virtual (VirtualRanks, optional): A layout's virtual ranks on this rank, which
+            draw what each DataLoader iterator's creation draws. Defaults to None.
     """
 
     def __init__(self, loader: DataLoader, sampler: Optional[ResumableSampler],
                  started: Optional[InfiniteDataloaderIterator] = None,
-                 streams: Optional[dict] = None):
+                 streams: Optional[dict] = None, virtual: Optional[VirtualRanks] = None):
         self.sampler = sampler
+        self._virtual = virtual
         self._skip = 0
         self._batch = 0  # the next batch's number in its epoch's pass
         self.position = (0, -1)  # (epoch, batch number) of the batch last returned
@@ -58,11 +63,11 @@ class EpochIterator(InfiniteDataloaderIterator):
         if self.sampler is None or not iterations:
             return  # MMEngine's loop loads and drops them, which stays exact
         per_epoch = len(self._dataloader)
-        if isinstance(self.sampler.sampler, InfiniteSampler) or not per_epoch:
+        if isinstance(drawn_from(self.sampler.sampler), InfiniteSampler) or not per_epoch:
             self._epoch, within = 0, iterations  # one endless pass
         else:
             self._epoch, within = divmod(iterations, per_epoch)
-        self._skip = within * int(self._dataloader.batch_size or 1)
+        self._skip = within * samples_per_batch(self._dataloader)
         # At an epoch's start the run that never stopped created the iterator when the
         # first batch was asked for, from the streams of that moment: so does this one.
         self._restart = True
@@ -80,9 +85,10 @@ class EpochIterator(InfiniteDataloaderIterator):
             sampler.set_epoch(self._epoch)
         if self.sampler is not None:
             self.sampler.begin(self._epoch, self._skip)
-        self._batch = self._skip // int(self._dataloader.batch_size or 1)
+        self._batch = self._skip // samples_per_batch(self._dataloader)
         self._skip = 0
-        self._iterator, self.streams = create_iterator(self._dataloader, streams)
+        self._iterator, self.streams = create_iterator(self._dataloader, streams,
+                                                       self._virtual)
 
     @override
     def __iter__(self) -> EpochIterator:

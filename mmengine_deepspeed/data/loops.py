@@ -33,13 +33,15 @@ from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from ..checkpoint.state import rng_state
 from ..compat import diff_rank_seed, set_loop_position
+from ..engine.virtual_ranks import VirtualRanks
 from ..engine.wrapper import released_guard
 from ..guard.hook import EXCLUDED_KEY, RollBack
+from ..random_streams import rng_state
 from ..strategy import strategy_of
 from .iterator import EpochIterator
 from .order import ResumableSampler, create_iterator, make_resumable
+from .virtual_ranks import run_as_virtual_ranks, samples_per_batch
 
 
 def resumable_loop(loop: Any) -> Any:
@@ -108,7 +110,7 @@ class IndexedBatches:
         if sampler is None:
             return None
         epoch, batch = position
-        size = int(self.dataloader.batch_size or 1)
+        size = samples_per_batch(self.dataloader)
         return sampler.given_out(epoch, batch * size, (batch + 1) * size)
 
 
@@ -122,10 +124,14 @@ class ResumableEpochBasedTrainLoop(IndexedBatches, EpochBasedTrainLoop):
     """
 
     _skip_batches = 0
+    _virtual: Optional[VirtualRanks] = None
     iterator_streams: Optional[dict] = None
 
-    def __init__(self, runner: Any, *args: Any, **kwargs: Any):
-        super().__init__(runner, *args, **kwargs)
+    def __init__(self, runner: Any, dataloader: Any, *args: Any, **kwargs: Any):
+        # built here as MMEngine would, so that a layout's loader is what MMEngine's
+        # __init__ reads its length from (max_iters)
+        dataloader, self._virtual = _built(runner, dataloader)
+        super().__init__(runner, dataloader, *args, **kwargs)
         self._sampler = make_resumable(self.dataloader, runner.seed, runner.rank)
 
     def skip_trained_batches(self) -> None:
@@ -151,11 +157,11 @@ class ResumableEpochBasedTrainLoop(IndexedBatches, EpochBasedTrainLoop):
         goes on from there)."""
         skip, self._skip_batches = self._skip_batches, 0
         if self._sampler is not None:
-            self._sampler.begin(self.epoch, skip * int(self.dataloader.batch_size or 1))
+            self._sampler.begin(self.epoch, skip * samples_per_batch(self.dataloader))
         self.runner.call_hook('before_train_epoch')
         self.runner.model.train()
         iterator, self.iterator_streams = create_iterator(
-            self.dataloader, self.iterator_streams if skip else None)
+            self.dataloader, self.iterator_streams if skip else None, self._virtual)
         for idx, data_batch in enumerate(iterator, start=skip if self._sampler else 0):
             if idx >= skip:  # a custom batch_sampler: its skipped batches are loaded, dropped
                 try:
@@ -171,6 +177,22 @@ class ResumableEpochBasedTrainLoop(IndexedBatches, EpochBasedTrainLoop):
 def roll_back(loop: Any, rollback: RollBack) -> None:
     """The strategy's rollback (collective: every rank raised the same :class:`RollBack`)."""
     strategy_of(loop.runner, type(loop).__name__).roll_back(rollback.path, rollback.excluded)
+
+
+def _built(runner: Any, dataloader: Any) -> tuple[Any, Optional[VirtualRanks]]:
+    """The train loader as MMEngine's loops build it from a config, giving this rank's
+    virtual ranks' batches where the run has a layout (``virtual_ranks.py``), and the
+    strategy's virtual ranks then."""
+    if isinstance(dataloader, dict):
+        dataloader = runner.build_dataloader(dataloader, seed=runner.seed,
+                                             diff_rank_seed=diff_rank_seed(runner))
+    strategy = strategy_of(runner, 'the train loop')
+    if strategy.layout is None:
+        return dataloader, None
+    virtual = strategy.start_virtual_ranks()
+    run_as_virtual_ranks(dataloader, runner.rank * virtual.count, virtual.count,
+                         strategy.layout.world_size)
+    return dataloader, virtual
 
 
 def _log_skip(runner: Any, batches: int, where: str, at_sampler: bool) -> None:
@@ -189,9 +211,7 @@ class ResumableIterBasedTrainLoop(IndexedBatches, IterBasedTrainLoop):
         # MMEngine's __init__ builds the loader, then an _InfiniteDataloaderIterator (one
         # DataLoader iterator: one draw). The loader is built here as MMEngine would, so
         # that its sampler is wrapped and the streams are recorded just before that draw.
-        if isinstance(dataloader, dict):
-            dataloader = runner.build_dataloader(dataloader, seed=runner.seed,
-                                                 diff_rank_seed=diff_rank_seed(runner))
+        dataloader, self._virtual = _built(runner, dataloader)
         self._sampler = make_resumable(dataloader, runner.seed, runner.rank)
         self._streams_at_start: Optional[dict] = rng_state()
         self._ours: Optional[EpochIterator] = None
@@ -207,7 +227,7 @@ class ResumableIterBasedTrainLoop(IndexedBatches, IterBasedTrainLoop):
     def dataloader_iterator(self, value: Any) -> None:
         if not isinstance(value, EpochIterator):  # MMEngine's __init__: ours goes on with it
             value = EpochIterator(self.dataloader, self._sampler, started=value,
-                                  streams=self._streams_at_start)
+                                  streams=self._streams_at_start, virtual=self._virtual)
             self._streams_at_start = None
         self._ours = value
 

@@ -54,7 +54,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
 from typing_extensions import override
 
-from ..checkpoint.state import rng_state, set_rng_state
+from ..engine.virtual_ranks import VirtualRanks
+from ..random_streams import rng_state, set_rng_state
 
 
 def stream_seed(*parts: int) -> int:
@@ -73,7 +74,8 @@ def resumable_loader(loader: DataLoader) -> DataLoader:
     return loader
 
 
-def create_iterator(loader: DataLoader, streams: Optional[dict]) -> tuple[Any, dict]:
+def create_iterator(loader: DataLoader, streams: Optional[dict],
+                    virtual: Optional[VirtualRanks] = None) -> tuple[Any, dict]:
     """``iter(loader)``, drawn from ``streams`` when given, and the streams it was drawn from.
 
     Args:
@@ -82,6 +84,10 @@ def create_iterator(loader: DataLoader, streams: Optional[dict]) -> tuple[Any, d
             an earlier run created this epoch's iterator from; the current
             streams are put back afterwards. None creates it from the current
             streams, as MMEngine does.
+        virtual (VirtualRanks, optional): A layout's virtual ranks on this rank: a new
+            iterator (not one from ``streams``, whose draw the checkpoint's streams of
+            every virtual rank hold) is drawn by each, as each rank of the N-rank run
+            creates its own. Defaults to None.
 
     Returns:
         tuple[Any, dict]: The iterator, and the streams it was created
@@ -89,7 +95,10 @@ def create_iterator(loader: DataLoader, streams: Optional[dict]) -> tuple[Any, d
     """
     now = rng_state()
     if streams is None:
-        return iter(loader), now
+        iterator = iter(loader)
+        if virtual is not None:
+            virtual.new_loader_iterator()
+        return iterator, now
     set_rng_state(streams)
     try:
         return iter(loader), streams
@@ -179,8 +188,13 @@ class ResumableSampler(Sampler):
             next(indices, None)
         for position, index in enumerate(indices, start=skip):
             self._recent.append((self.epoch, position, int(index)))
-            yield (SampleIndex(index, stream_seed(self.seed, self.rank, self.epoch, position))
-                   if self.seeded else index)
+            if not self.seeded:
+                yield index
+                continue
+            # a layout's index seeds as its virtual rank's (virtual_ranks.VirtualIndex)
+            rank = getattr(index, 'rank', self.rank)
+            at = getattr(index, 'position', position)
+            yield SampleIndex(index, stream_seed(self.seed, rank, self.epoch, at))
 
     def __len__(self) -> int:
         return len(self.sampler)  # type: ignore[arg-type]

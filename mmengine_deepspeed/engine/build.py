@@ -253,7 +253,8 @@ def build_engines(specs: EngineSpecs, model: nn.Module,
 
 
 def wrap_optimizers(specs: EngineSpecs, find_unused_parameters: bool,
-                    own_train_step: bool) -> Union[DeepSpeedOptimWrapper, OptimWrapperDict]:
+                    own_train_step: bool,
+                    micro_steps: int = 1) -> Union[DeepSpeedOptimWrapper, OptimWrapperDict]:
     """The optim wrapper(s) the train loop steps with: one per engine.
 
     Args:
@@ -262,6 +263,8 @@ def wrap_optimizers(specs: EngineSpecs, find_unused_parameters: bool,
         find_unused_parameters (bool): See :class:`DeepSpeedOptimWrapper`.
         own_train_step (bool): The model overrides ``train_step`` (its
             losses do not come from ``engine.forward``).
+        micro_steps (int): Backwards per iteration (a layout's virtual ranks on this
+            rank). Defaults to 1.
 
     Returns:
         DeepSpeedOptimWrapper | OptimWrapperDict: One wrapper, or one per
@@ -274,7 +277,8 @@ def wrap_optimizers(specs: EngineSpecs, find_unused_parameters: bool,
             clip_max_norm=float(spec.ds_config['gradient_clipping']),
             find_unused_parameters=find_unused_parameters,
             name=spec.name if specs.several else None,
-            forward_through_engine=not specs.several and not own_train_step)
+            forward_through_engine=not specs.several and not own_train_step,
+            micro_steps=micro_steps)
         for spec in specs if spec.optimizer is not None}
     return OptimWrapperDict(**wrappers) if specs.several else wrappers[SINGLE_ENGINE]
 

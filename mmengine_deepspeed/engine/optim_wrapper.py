@@ -54,8 +54,8 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         optimizer (Optimizer): The optimizer MMEngine built and handed to
             ``deepspeed.initialize``; its param groups are the ones DeepSpeed
             steps with.
-        accumulative_counts (int): Iterations per parameter update.
-            Defaults to 1.
+        accumulative_counts (int): Backwards per parameter update (iterations times
+            ``micro_steps``). Defaults to 1.
         clip_max_norm (float): DeepSpeed's ``gradient_clipping`` (0 for none),
             used only to decide whether a grad norm is logged when the engine
             does not compute one. Defaults to 0.
@@ -72,14 +72,17 @@ class DeepSpeedOptimWrapper(OptimWrapper):
             itself (its own ``train_step``, several engines), and the engine's
             backward is then started here (see :func:`begin_backward_at`).
             Defaults to True.
+        micro_steps (int): Backwards per iteration: a layout's virtual ranks on this rank
+            (``config/layout.py``), each one micro-step. Defaults to 1.
     """
 
     def __init__(self, engine: DeepSpeedEngine, optimizer: Optimizer,
                  accumulative_counts: int = 1, clip_max_norm: float = 0.0,
                  find_unused_parameters: bool = False, name: Optional[str] = None,
-                 forward_through_engine: bool = True):
+                 forward_through_engine: bool = True, micro_steps: int = 1):
         super().__init__(optimizer, accumulative_counts=accumulative_counts)
         self.forward_through_engine = forward_through_engine
+        self.micro_steps = micro_steps
         self._log_prefix = f'train/{name}.' if name else 'train/'
         # the message hub key of this wrapper's count of skipped (non-finite) updates
         self.skipped_steps_key = f'{self._log_prefix}skipped_steps'
@@ -95,6 +98,14 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         self._fp16 = engine.fp16_enabled()
         self._own_norm = clip_max_norm > 0 and not (
             engine.zero_optimization() or self._fp16 or engine.bfloat16_enabled())
+
+    @override
+    def initialize_count_status(self, model: nn.Module, init_counts: int,
+                                max_counts: int) -> None:
+        """MMEngine's, counted in backwards: the loops give iterations, and an iteration of
+        a layout is :attr:`micro_steps` backwards."""
+        super().initialize_count_status(model, init_counts * self.micro_steps,
+                                        max_counts * self.micro_steps)
 
     @override
     def update_params(self, loss: torch.Tensor, step_kwargs: Optional[dict] = None,

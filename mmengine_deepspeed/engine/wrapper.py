@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from ..zero.gather import whole_copy
 from ..zero.released_guard import ReleasedGuard
+from .virtual_ranks import MicroBatches, VirtualRanks
 
 Data = Union[dict, tuple, list]
 
@@ -82,6 +83,8 @@ class DeepSpeedEngineWrapper(nn.Module):
     _user_model: nn.Module
     _forward_target: nn.Module
     _own_steps: dict[str, bool]
+    # a layout's virtual ranks on this rank (config/layout.py), set with the engines
+    virtual_ranks: Optional[VirtualRanks] = None
 
     def __init__(self, engines: Mapping[str, DeepSpeedEngine],
                  cast_dtype: Optional[torch.dtype] = None, model: Optional[nn.Module] = None):
@@ -160,6 +163,8 @@ class DeepSpeedEngineWrapper(nn.Module):
         Returns:
             dict[str, torch.Tensor]: Log variables from ``parse_losses``.
         """
+        if isinstance(data, MicroBatches):
+            return self._micro_steps(data, optim_wrapper)
         module = self._user_model
         if self._own_steps['train_step']:
             return getattr(module, 'train_step')(data, optim_wrapper)  # noqa: B009
@@ -176,6 +181,24 @@ class DeepSpeedEngineWrapper(nn.Module):
         parsed_losses, log_vars = module.parse_losses(losses)
         optim_wrapper.update_params(parsed_losses)
         return log_vars
+
+    def _micro_steps(self, batches: MicroBatches,
+                     optim_wrapper: OptimWrapper) -> dict[str, torch.Tensor]:
+        """One iteration of a layout: each virtual rank's batch a micro-step, with its own
+        random streams and buffers; the log shows the first's (rank 0's, in the N-rank
+        run's log)."""
+        virtual = self.virtual_ranks
+        if virtual is None or len(batches) != virtual.count:
+            raise RuntimeError(f'{len(batches)} micro-batches reached a model set up for '
+                               f'{virtual.count if virtual else "no"} virtual ranks.')
+        virtual.begin()
+        logged: Optional[dict[str, torch.Tensor]] = None
+        for index, batch in enumerate(batches):
+            with virtual.as_rank(index):
+                log_vars = self.train_step(batch, optim_wrapper)
+            logged = log_vars if logged is None else logged
+        assert logged is not None
+        return logged
 
     def val_step(self, data: Data) -> list:
         """Preprocess and forward in ``'predict'`` mode (or the model's own)."""

@@ -61,8 +61,9 @@ class ThroughputHook(Hook):
         self._last = None
         # fixed for the run: read once, not per iteration
         strategy = strategy_of(runner, 'ThroughputHook')
+        virtual = strategy.virtual_ranks  # a layout's: each a micro-batch of the iteration
         self._samples = strategy.specs.shared('train_micro_batch_size_per_gpu') \
-            * runner.world_size
+            * runner.world_size * (virtual.count if virtual is not None else 1)
         self._tokens = getattr(runner.model.module, 'tokens_per_sample', None)
         if self.interval is None:
             self._reduce_every = logging_interval(runner)

@@ -47,7 +47,8 @@ def checkpoint_parts(strategy: RunStrategy, meta: Optional[dict] = None,
         wrappers=named_wrappers(runner.optim_wrapper) if strategy.specs.training else {},
         model=strategy.bare_model, modules=strategy.specs.modules(), loop=loop,
         hub=runner.message_hub, schedulers=runner.param_schedulers, schedule=schedule,
-        logger=runner.logger, meta=meta, save_param_scheduler=save_param_scheduler)
+        logger=runner.logger, meta=meta, save_param_scheduler=save_param_scheduler,
+        virtual=strategy.virtual_ranks)
 
 
 def save_checkpoint(strategy: RunStrategy, path: str, *, save_optimizer: bool,

@@ -17,6 +17,7 @@ import contextlib
 import copy
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any, Optional, Union, cast
 
 import deepspeed
@@ -28,7 +29,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..checkpoint.checkpointer import Checkpointer
-from ..checkpoint.state import rng_state, set_rng_state
+from ..compat import diff_rank_seed
+from ..config.layout import Layout
 from ..config.resolve import DsConfigSource
 from ..dist import cuda_available
 from ..engine.activation import checkpoint_through_deepspeed, has_section
@@ -44,10 +46,12 @@ from ..engine.spec import (
     named_optimizers,
     named_wrappers,
 )
-from ..engine.wrapper import overrides
+from ..engine.virtual_ranks import VirtualRanks
+from ..engine.wrapper import DeepSpeedEngineWrapper, overrides
 from ..plan.census import import_scope
 from ..plan.planner import predicted_peak_mib
 from ..process_memory import rss_mib
+from ..random_streams import rng_state, set_rng_state
 from ..zero.gather import gather_on_use
 from ..zero.in_step import hooks_update_on_whole_tensors
 from ..zero.partitioned import build_advice, built_partitioned
@@ -69,11 +73,16 @@ class RunStrategy:
         zero_init (bool): Under ZeRO-3, build a config's model inside ``zero.Init``.
         rss_at_start_mib (float): What the process held before any model or data (on
             CPU; 0 on CUDA), where ``plan``'s prediction starts.
+        layout (Layout, optional): The layout the run trains as (``config/layout.py``);
+            None for its own ranks. Defaults to None.
     """
 
     def __init__(self, runner: Runner, specs: EngineSpecs, *, allow_unsafe_checkpoints: bool,
-                 zero_init: bool, rss_at_start_mib: float = 0.0):
+                 zero_init: bool, rss_at_start_mib: float = 0.0,
+                 layout: Optional[Layout] = None):
         self.runner = runner
+        self.layout = layout
+        self.virtual_ranks: Optional[VirtualRanks] = None  # a layout's, once set up
         self.specs = specs
         self.allow_unsafe_checkpoints = allow_unsafe_checkpoints
         self.zero_init = zero_init
@@ -88,7 +97,7 @@ class RunStrategy:
     @classmethod
     def of_run(cls, runner: Runner, cfg: Optional[Config], arguments: Mapping[str, Any], *,
                ds_config: DsConfigSource, allow_unsafe_checkpoints: bool,
-               zero_init: bool) -> RunStrategy:
+               zero_init: bool, layout: Optional[Layout] = None) -> RunStrategy:
         """The strategy of a run with ``Runner.__init__``'s ``arguments``; a bad ds_config,
         NVMe path or ``compile`` value is refused here, before any process group or file.
 
@@ -109,7 +118,7 @@ class RunStrategy:
         check_deepcompile(compile_options(cfg.get('compile') if cfg is not None else None),
                           specs.configs().values())
         return cls(runner, specs, allow_unsafe_checkpoints=allow_unsafe_checkpoints,
-                   zero_init=zero_init, rss_at_start_mib=rss_at_start)
+                   zero_init=zero_init, rss_at_start_mib=rss_at_start, layout=layout)
 
     def build_checkpointer(self, *, resume: bool, load_from: Optional[str]) -> None:
         """The run's checkpointer, with what it saves (once, at the end of the runner's
@@ -216,16 +225,52 @@ class RunStrategy:
             runner.logger.info('DeepSpeed activation checkpointing configured; modules through '
                                f'its checkpoint: {", ".join(wrapped) or "none listed"}.')
         built = Runner.build_optim_wrapper(runner, as_plain_wrappers(runner.optim_wrapper))
-        # The engines follow the wrappers built now (runner.optim_wrapper may have changed).
-        self.specs.use_settings(
-            mmengine_settings(runner.train_dataloader, built, runner.param_schedulers))
+        micro_steps = self.micro_steps()
+        # The engines follow the wrappers built now (runner.optim_wrapper may have changed);
+        # a layout's virtual ranks are accumulation micro-steps of each update.
+        self.specs.use_settings({
+            name: replace(side, accumulative_counts=(side.accumulative_counts or 1) * micro_steps)
+            for name, side in mmengine_settings(runner.train_dataloader, built,
+                                                runner.param_schedulers).items()})
         self._build_engines(named_optimizers(built))
         options = compile_options(runner.cfg.get('compile'))
         if options is not None:
             self.compile_counts = compile_engines(self.specs, options, runner.logger)
         runner.optim_wrapper = wrap_optimizers(
             self.specs, self.find_unused_parameters,
-            own_train_step=overrides(self.bare_model, 'train_step'))
+            own_train_step=overrides(self.bare_model, 'train_step'), micro_steps=micro_steps)
+        if micro_steps > 1:
+            cast(DeepSpeedEngineWrapper, runner.model).virtual_ranks = \
+                self.start_virtual_ranks()
+            runner.logger.info(
+                f'layout: training as the {micro_steps * runner.world_size}-rank run, '
+                f'{micro_steps} virtual ranks per rank, each a micro-step of every iteration.')
+
+    def start_virtual_ranks(self) -> VirtualRanks:
+        """This rank's virtual ranks (a layout's: the train loop's loader gives their
+        batches, the engine wrapper steps them), made at the first call."""
+        if self.virtual_ranks is None:
+            self.virtual_ranks = VirtualRanks(self.micro_steps(), self.bare_model)
+        return self.virtual_ranks
+
+    def micro_steps(self) -> int:
+        """The virtual ranks each rank runs (1 without a layout), checked against what a
+        layout cannot emulate."""
+        if self.layout is None:
+            return 1
+        count = self.layout.per_rank(self.runner.world_size)
+        if overrides(self.bare_model, 'train_step') or self.specs.several:
+            raise ValueError(
+                f'{type(self.bare_model).__name__} steps its optimizers in its own train_step '
+                '(a GAN\'s discriminator, then its generator): with layout each step would '
+                'have to see every virtual rank\'s batch before the next one. Remove layout '
+                'and set the batch and accumulation for the ranks you have.')
+        if diff_rank_seed(self.runner):
+            raise ValueError(
+                'layout gives each virtual rank the random streams of that rank of the '
+                'N-rank run, which with randomness.diff_rank_seed=True were seeded per rank '
+                'before training: remove diff_rank_seed, or layout.')
+        return count
 
     def ensure_engine(self) -> None:
         """For ``val()`` / ``test()``: the plan resolved, and an engine without optimizer

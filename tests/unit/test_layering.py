@@ -18,7 +18,7 @@ PACKAGE = Path(osp.dirname(mmengine_deepspeed.__file__))
 # Lowest first. A unit is a top-level module or a subpackage of mmengine_deepspeed.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ('version', 'quiet', 'compat'),
-    ('ops', 'failure', 'process_memory', 'history'),
+    ('ops', 'failure', 'process_memory', 'history', 'random_streams'),
     ('dist',),
     ('config',),
     ('zero',),

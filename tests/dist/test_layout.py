@@ -1,0 +1,96 @@
+"""``layout=dict(world_size=N)``: a run on fewer ranks gives the N-rank run's parameters.
+
+The same configs on 2 real ranks and, with ``layout=dict(world_size=2)``, on 1; on 4 real
+ranks and, with ``layout=dict(world_size=4)``, on 2 (a tiny model: 4 CPU processes). A
+deterministic model, a model drawing dropout and noise in its step (each virtual rank its
+own streams), a BatchNorm model (each virtual rank its own batch statistics and running
+buffers), random transforms in DataLoader workers (each sample seeded as its virtual
+rank's), the epoch-based loop validating after each epoch, ZeRO-0 and ZeRO-2; a layout
+run resumed. Every parameter and buffer of rank 0 within 1e-5, and rank 0's
+logged losses, of the real and the virtual layout.
+"""
+from __future__ import annotations
+
+import os.path as osp
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import launch_scenarios
+
+pytestmark = pytest.mark.dist
+
+MODELS = {
+    'plain': dict(model={'type': 'ToyModel', 'with_bn': False}),
+    'dropout': dict(model={'type': 'ToyRandomModel', 'with_bn': False},
+                    ds_config={'zero_optimization': {'stage': 2}}),
+    # SGD: the bias before BatchNorm has a zero gradient up to rounding, which Adam's
+    # normalised step would blow up to the learning rate (any change of summation order)
+    'batchnorm': dict(model={'type': 'ToyModel', 'with_bn': True}, accumulative_counts=2,
+                      optimizer={'type': 'SGD', 'lr': 0.1, 'momentum': 0.9}),
+    'workers': dict(model={'type': 'ToyRandomModel', 'with_bn': False},
+                    dataset_type='ToyRandomDataset', num_workers=2),
+    # validated after each epoch: every rank of the N-rank run creates its validation
+    # loader's iterator (a draw of each virtual rank's streams)
+    'epochs': dict(model={'type': 'ToyDropoutModel', 'with_bn': True}, by_epoch=True,
+                   max_epochs=2, optimizer={'type': 'SGD', 'lr': 0.1, 'momentum': 0.9}),
+}
+# A layout run resumed on as many ranks: from inside the first and the second epoch (3
+# iterations an epoch at N=4), bit for bit.
+EVERY_2 = {'type': 'CheckpointHook', 'interval': 2, 'by_epoch': False}
+RESUMED = dict(MODELS['workers'], checkpoint=EVERY_2, optimizer={'type': 'AdamW', 'lr': 0.01})
+POINTS = (2, 4)
+BASE = dict(max_iters=6, batch_size=2, dataset_size=24)
+ADAMW = {'type': 'AdamW', 'lr': 0.01}
+
+
+def _scenarios(layout: int | None) -> list[dict]:
+    extra = {} if layout is None else {'layout': {'world_size': layout}}
+    runs = [{'name': name, 'cfg': dict(BASE, **{'optimizer': ADAMW, **cfg}, **extra)}
+            for name, cfg in MODELS.items()]
+    if layout == 4:
+        runs.append({'name': 'straight', 'cfg': dict(BASE, **RESUMED, **extra)})
+        runs += [{'name': f'from{point}', 'cfg': dict(
+            BASE, **RESUMED, **extra, resume=True,
+            load_from=f'{{out}}/straight/iter_{point}.pth')} for point in POINTS]
+    return runs
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory: Any) -> dict[tuple[int, str], dict[str, Any]]:
+    """(layout world size, 'real' | 'virtual') -> rank 0's results by model."""
+    results = {}
+    for world_size, nproc, layout, kind in ((2, 2, None, 'real'), (2, 1, 2, 'virtual'),
+                                            (4, 4, None, 'real'), (4, 2, 4, 'virtual')):
+        out = str(tmp_path_factory.mktemp(f'layout_{world_size}_{kind}'))
+        scenarios = _scenarios(layout)
+        launch_scenarios('tests/dist/worker.py', out, scenarios, nproc=nproc)
+        results[(world_size, kind)] = {
+            s['name']: torch.load(osp.join(out, f'{s["name"]}.rank0.pt')) for s in scenarios}
+    return results
+
+
+@pytest.mark.parametrize('world_size', [2, 4])
+@pytest.mark.parametrize('model', sorted(MODELS))
+def test_a_layout_on_fewer_ranks_gives_the_n_rank_runs_numbers(runs: Any, world_size: int,
+                                                                model: str) -> None:
+    real, virtual = runs[(world_size, 'real')][model], runs[(world_size, 'virtual')][model]
+    diffs = {k: (virtual['state'][k] - v).abs().max().item() for k, v in real['state'].items()}
+    assert max(diffs.values()) <= 1e-5, diffs
+    assert virtual['losses'] == pytest.approx(real['losses'], abs=1e-5)
+    assert virtual['lrs'] == pytest.approx(real['lrs'])
+    assert virtual['world_size'] == world_size // 2 \
+        and real['world_size'] == world_size
+
+
+def test_a_layout_run_resumes_bit_for_bit(runs: Any) -> None:
+    """Each virtual rank's streams and buffers, and the data position of its pass, come
+    back: the resumed runs end with the uninterrupted run's weights and losses."""
+    results = runs[(4, 'virtual')]
+    straight = results['straight']
+    for point in POINTS:
+        resumed = results[f'from{point}']
+        for key, value in straight['state'].items():
+            assert torch.equal(resumed['state'][key], value), (point, key)
+        assert resumed['losses'] == straight['losses'][point:], point
