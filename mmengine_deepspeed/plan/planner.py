@@ -21,6 +21,7 @@ from mmengine.config import Config
 from torch import nn
 
 from ..config.checks import offload_devices
+from ..config.layout import Layout
 from ..config.model_settings import fit_zero_sizes
 from ..config.runner_keys import switch
 from ..dist import cuda_available
@@ -81,6 +82,8 @@ class Plan:
     activations: Activations
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # the config's layout (``config/layout.py``): world_size N, virtual ranks per rank
+    layout: Optional[dict[str, int]] = None
 
     @property
     def micro_batch(self) -> int:
@@ -108,7 +111,7 @@ class Plan:
                                      mib=round(saved / MIB, 1),
                                      transient_mib=round(transient / MIB, 1),
                                      measured_samples=acts.micro_batch, why=acts.note),
-                    notes=self.notes)
+                    notes=self.notes, layout=self.layout)
 
 
 def _total_memory_mib() -> float:
@@ -187,6 +190,10 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
     host_mib = host_memory_gib * 1024 if host_memory_gib is not None else _total_memory_mib()
     plan = Plan(nproc, nnodes, 'cuda' if cuda else 'cpu', mode, device_mib, host_mib, fixed,
                 engines, activations)
+    layout = Layout.of(cfg.get('layout'))
+    if layout is not None:  # one virtual rank's micro-batch at a time: the same rows
+        plan.layout = dict(world_size=layout.world_size,
+                           virtual_ranks_per_rank=layout.per_rank(ranks))
     reference: Optional[dict[str, float]] = None  # ZeRO-0's parts, the first row
     for stage, offload_opt, offload_param in ROWS:
         zeros = {name: _row_zero(ds, stage, offload_opt, offload_param, model)

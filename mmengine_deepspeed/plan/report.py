@@ -60,6 +60,13 @@ def plan_text(plan: Plan) -> str:
     lines = [f'plan: {ranks} rank(s) ({plan.nproc} per node x {plan.nnodes} node(s)), '
              f'{plan.platform}, {plan.precision}; {plan.device_mib:.0f} MiB per rank, '
              f'{plan.host_mib:.0f} MiB host per node']
+    if plan.layout is not None:
+        per_rank = plan.layout['virtual_ranks_per_rank']
+        lines.append(
+            f'layout: the {plan.layout["world_size"]}-rank run, {per_rank} virtual rank(s) per '
+            f'rank one after another: each rank holds one virtual rank\'s micro-batch '
+            f'({plan.micro_batch}) at a time, so the rows are those of {plan.micro_batch} per '
+            f'rank, and each optimizer step takes {per_rank} times as long')
     for engine in plan.engines:
         dtypes = ', '.join(f'{k} {_count(v)}' for k, v in engine.dtypes.items())
         lines.append(

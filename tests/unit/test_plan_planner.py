@@ -82,6 +82,21 @@ def test_text_output_ends_with_ds_config_lines_to_paste(capsys: pytest.CaptureFi
     assert 'ds_config = dict(zero_optimization=dict(stage=0), bf16=dict(enabled=True))' in out
 
 
+def test_a_layout_is_planned_as_one_virtual_rank_at_a_time(
+        capsys: pytest.CaptureFixture) -> None:
+    """The rows are those of the micro-batch per rank (one virtual rank's at a time); the
+    text and the JSON say the layout; ranks that do not divide it are refused."""
+    plain = _plan_json(capsys, TOY, '--nproc', '2')
+    laid = _plan_json(capsys, TOY, '--nproc', '2', '--cfg-options', 'layout.world_size=8')
+    assert laid['layout'] == {'world_size': 8, 'virtual_ranks_per_rank': 4}
+    assert plain['layout'] is None
+    assert [r['micro_batch'] for r in laid['rows']] == [r['micro_batch'] for r in plain['rows']]
+    assert main(['plan', TOY, '--nproc', '2', '--cfg-options', 'layout.world_size=8']) == 0
+    assert 'layout: the 8-rank run, 4 virtual rank(s) per rank' in capsys.readouterr().out
+    assert main(['plan', TOY, '--nproc', '3', '--cfg-options', 'layout.world_size=8']) != 0
+    assert 'layout.world_size=8 cannot run on 3 ranks' in capsys.readouterr().err
+
+
 @pytest.mark.parametrize('config', sorted(glob.glob(osp.join(ROOT, 'configs', '*.py'))))
 def test_every_shipped_config_plans(config: str, capsys: pytest.CaptureFixture) -> None:
     plan = _plan_json(capsys, config, '--nproc', '2')
