@@ -274,7 +274,16 @@ class Checkpointer:
         # On another world size, rank r takes the RNG and buffers of rank r mod N.
         rank_file = osp.join(path, RANK_FILE.format(rank=self._rank % meta['world_size']))
         rank_state = safe_load(rank_file, self._allow_unsafe)
+        every: Optional[list[dict[str, Any]]] = None  # every saved rank's file, if asked for
         for part in self._parts(None, True):
+            if part.from_every_rank:
+                every = every or [safe_load(osp.join(path, RANK_FILE.format(rank=r)),
+                                            self._allow_unsafe)
+                                  for r in range(meta['world_size'])]
+                states = [state.get(part.key) for state in every]
+                if any(state is not None for state in states):
+                    part.load_state_dict(states)
+                continue
             saved = (rank_state if part.per_rank else client).get(part.key)
             if saved is not None:
                 part.load_state_dict(saved)

@@ -37,6 +37,8 @@ class Part(Protocol):
 
     key: str
     per_rank: bool
+    # loaded from every saved rank's file (a list by saved rank), not this rank's only
+    from_every_rank: bool
 
     def state_dict(self) -> Optional[Any]:
         """What to save; None saves nothing under :attr:`key`."""
@@ -58,6 +60,7 @@ class LoopPart:
     meta: dict
     key: str = META_KEY
     per_rank: bool = False
+    from_every_rank: bool = False
 
     def state_dict(self) -> dict:
         return self.meta
@@ -76,6 +79,7 @@ class MessageHubPart:
     hub: MessageHub
     key: str = MESSAGE_HUB_KEY
     per_rank: bool = False
+    from_every_rank: bool = False
 
     def state_dict(self) -> dict:
         return hub_state(self.hub)
@@ -99,6 +103,7 @@ class ParamGroupsPart:
     wrappers: dict[str, Any]
     key: str = PARAM_GROUPS_KEY
     per_rank: bool = False
+    from_every_rank: bool = False
 
     def state_dict(self) -> Optional[dict]:
         if not self.wrappers:
@@ -142,6 +147,7 @@ class SchedulersPart:
     enabled: bool = True
     key: str = PARAM_SCHEDULERS_KEY
     per_rank: bool = False
+    from_every_rank: bool = False
 
     def state_dict(self) -> Any:
         built = _labelled(self.schedulers)
@@ -189,6 +195,7 @@ class OutsideEnginesPart:
     modules: dict[str, str]
     key: str = OUTSIDE_ENGINES_KEY
     per_rank: bool = False
+    from_every_rank: bool = False
 
     def state_dict(self) -> Optional[dict]:
         if '' in self.modules.values():  # an engine holds the whole model
@@ -210,6 +217,7 @@ class IteratorStreamsPart:
     loop: Any
     key: str = ITERATOR_STREAMS_KEY
     per_rank: bool = True
+    from_every_rank: bool = False
 
     def state_dict(self) -> Optional[dict]:
         return getattr(self.loop, 'iterator_streams', None)
@@ -221,21 +229,23 @@ class IteratorStreamsPart:
 
 @dataclass
 class VirtualRanksPart:
-    """A layout's virtual ranks after this rank's first: their random streams and
-    buffers (``engine/virtual_ranks.py``), per rank; nothing without a layout."""
+    """A layout's virtual ranks on this rank: their random streams and buffers
+    (``engine/virtual_ranks.py``), per rank; nothing without a layout."""
 
     virtual: Optional[VirtualRanks]
     key: str = VIRTUAL_RANKS_KEY
     per_rank: bool = True
+    # a run on another number of ranks takes each virtual rank from the file that holds it
+    from_every_rank: bool = True
 
     def state_dict(self) -> Optional[dict]:
         return self.virtual.state_dict() if self.virtual is not None else None
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: list[Optional[dict]]) -> None:
         if self.virtual is None:
             raise ValueError(
                 'The checkpoint was saved by a run with layout (virtual ranks); resume it '
-                'with the same layout and number of ranks.')
+                'with the same layout.')
         self.virtual.load_state_dict(state)
 
 
@@ -250,6 +260,7 @@ class RankStatePart:
     model: nn.Module
     key: str = RANK_STATE_KEY
     per_rank: bool = True
+    from_every_rank: bool = False
 
     def state_dict(self) -> dict:
         return rank_state(self.model)

@@ -190,8 +190,7 @@ def _built(runner: Any, dataloader: Any) -> tuple[Any, Optional[VirtualRanks]]:
     if strategy.layout is None:
         return dataloader, None
     virtual = strategy.start_virtual_ranks()
-    run_as_virtual_ranks(dataloader, runner.rank * virtual.count, virtual.count,
-                         strategy.layout.world_size)
+    run_as_virtual_ranks(dataloader, virtual.first, virtual.count, virtual.world_size)
     return dataloader, virtual
 
 

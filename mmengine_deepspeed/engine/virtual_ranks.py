@@ -38,10 +38,14 @@ class VirtualRanks:
     Args:
         count (int): The virtual ranks this rank runs (k).
         model (nn.Module): The user's model (whose buffers each virtual rank keeps).
+        first (int): This rank's first virtual rank. Defaults to 0.
+        world_size (int, optional): The layout's ranks (N). Defaults to ``count``.
     """
 
-    def __init__(self, count: int, model: nn.Module):
-        self.count = count
+    def __init__(self, count: int, model: nn.Module, first: int = 0,
+                 world_size: Optional[int] = None):
+        self.count, self.first = count, first
+        self.world_size = world_size if world_size is not None else count
         self._buffers = [b for b in model.buffers() if b is not None]
         # per virtual rank after the first: (streams, buffers); None until training starts
         self._kept: Optional[list[tuple[dict[str, Any], list[torch.Tensor]]]] = None
@@ -78,33 +82,56 @@ class VirtualRanks:
         own_buffers = [b.detach().clone() for b in self._buffers]
         streams, buffers = self._kept[index - 1]
         set_rng_state(streams)
-        with torch.no_grad():
-            for live, kept in zip(self._buffers, buffers):
-                live.copy_(kept)
+        self._put(buffers)
         try:
             yield
         finally:
             with torch.no_grad():
                 for live, kept in zip(self._buffers, buffers):
                     kept.copy_(live)
-                for live, own in zip(self._buffers, own_buffers):
-                    live.copy_(own)
+            self._put(own_buffers)
             self._kept[index - 1] = (rng_state(), buffers)
             set_rng_state(own_streams)
 
+    def _put(self, buffers: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for live, kept in zip(self._buffers, buffers):
+                live.copy_(kept)
+
     def state_dict(self) -> Optional[dict[str, Any]]:
-        """The other virtual ranks' streams and buffers (None before training)."""
+        """Every virtual rank's streams and buffers on this rank, its own first (None
+        before training): what any number of ranks resuming the layout takes them from."""
         if self._kept is None:
             return None
-        return dict(count=self.count, streams=[s for s, _ in self._kept],
-                    buffers=[[b.detach().cpu() for b in buffers] for _, buffers in self._kept])
+        own = (rng_state(), self._buffers)
+        return dict(world_size=self.world_size, first=self.first, ranks=[
+            dict(streams=streams, buffers=[b.detach().cpu().clone() for b in buffers])
+            for streams, buffers in (own, *self._kept)])
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Put back what :meth:`state_dict` saved (a run with as many virtual ranks)."""
-        if state['count'] != self.count:
-            raise ValueError(
-                f'The checkpoint holds {state["count"]} virtual ranks per rank; this run has '
-                f'{self.count}. Resume on as many ranks as the checkpoint was saved on.')
-        self._kept = [(streams, [saved.to(live.device, live.dtype)
-                                 for saved, live in zip(buffers, self._buffers)])
-                      for streams, buffers in zip(state['streams'], state['buffers'])]
+    def load_state_dict(self, saved: list[Optional[dict[str, Any]]]) -> None:
+        """This rank's virtual ranks from what every saved rank held (:meth:`state_dict`,
+        by saved rank): the first's streams and buffers become this rank's own."""
+        by_rank: dict[int, dict[str, Any]] = {}
+        for state in saved:
+            if state is None:
+                continue
+            if state['world_size'] != self.world_size:
+                raise ValueError(
+                    f'The checkpoint trained as the {state["world_size"]}-rank layout; this '
+                    f'run is set to {self.world_size}. Resume with layout.world_size='
+                    f'{state["world_size"]}.')
+            for offset, entry in enumerate(state['ranks']):
+                by_rank[state['first'] + offset] = entry
+        mine = [by_rank.get(self.first + index) for index in range(self.count)]
+        if any(entry is None for entry in mine):
+            raise ValueError(f'The checkpoint lacks virtual ranks {self.first}-'
+                             f'{self.first + self.count - 1} (a rank file is missing).')
+
+        def buffers(entry: dict[str, Any]) -> list[torch.Tensor]:
+            return [saved.to(live.device, live.dtype)
+                    for saved, live in zip(entry['buffers'], self._buffers)]
+
+        own, *others = [entry for entry in mine if entry is not None]
+        set_rng_state(own['streams'])
+        self._put(buffers(own))
+        self._kept = [(entry['streams'], buffers(entry)) for entry in others]

@@ -239,7 +239,7 @@ class RunStrategy:
         runner.optim_wrapper = wrap_optimizers(
             self.specs, self.find_unused_parameters,
             own_train_step=overrides(self.bare_model, 'train_step'), micro_steps=micro_steps)
-        if micro_steps > 1:
+        if self.layout is not None:
             cast(DeepSpeedEngineWrapper, runner.model).virtual_ranks = \
                 self.start_virtual_ranks()
             runner.logger.info(
@@ -250,7 +250,11 @@ class RunStrategy:
         """This rank's virtual ranks (a layout's: the train loop's loader gives their
         batches, the engine wrapper steps them), made at the first call."""
         if self.virtual_ranks is None:
-            self.virtual_ranks = VirtualRanks(self.micro_steps(), self.bare_model)
+            count = self.micro_steps()
+            assert self.layout is not None
+            self.virtual_ranks = VirtualRanks(count, self.bare_model,
+                                              first=self.runner.rank * count,
+                                              world_size=self.layout.world_size)
         return self.virtual_ranks
 
     def micro_steps(self) -> int:

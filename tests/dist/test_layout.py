@@ -6,8 +6,9 @@ deterministic model, a model drawing dropout and noise in its step (each virtual
 own streams), a BatchNorm model (each virtual rank its own batch statistics and running
 buffers), random transforms in DataLoader workers (each sample seeded as its virtual
 rank's), the epoch-based loop validating after each epoch, ZeRO-0 and ZeRO-2; a layout
-run resumed. Every parameter and buffer of rank 0 within 1e-5, and rank 0's
-logged losses, of the real and the virtual layout.
+run resumed on as many ranks (bit for bit), on fewer and on more. Every parameter and
+buffer of rank 0 within 1e-5, and rank 0's logged losses, of the real and the virtual
+layout.
 """
 from __future__ import annotations
 
@@ -68,6 +69,16 @@ def runs(tmp_path_factory: Any) -> dict[tuple[int, str], dict[str, Any]]:
         launch_scenarios('tests/dist/worker.py', out, scenarios, nproc=nproc)
         results[(world_size, kind)] = {
             s['name']: torch.load(osp.join(out, f'{s["name"]}.rank0.pt')) for s in scenarios}
+        if layout == 4:  # the same run resumed on 1 and on 4 ranks
+            checkpoint = osp.join(out, 'straight', f'iter_{POINTS[-1]}.pth')
+            for other in (1, 4):
+                again = str(tmp_path_factory.mktemp(f'layout_4_on_{other}'))
+                launch_scenarios('tests/dist/worker.py', again, [{
+                    'name': 'resumed', 'cfg': dict(BASE, **RESUMED, layout={'world_size': 4},
+                                                   resume=True, load_from=checkpoint)}],
+                    nproc=other)
+                results[(world_size, kind)][f'on{other}'] = torch.load(
+                    osp.join(again, 'resumed.rank0.pt'))
     return results
 
 
@@ -94,3 +105,17 @@ def test_a_layout_run_resumes_bit_for_bit(runs: Any) -> None:
         for key, value in straight['state'].items():
             assert torch.equal(resumed['state'][key], value), (point, key)
         assert resumed['losses'] == straight['losses'][point:], point
+
+
+@pytest.mark.parametrize('ranks', [1, 4])
+def test_a_layout_run_resumed_on_another_number_of_ranks_continues_the_same_run(
+        runs: Any, ranks: int) -> None:
+    """Saved on 2 ranks (2 virtual ranks each), resumed on 1 (4 each) and on 4 (1 each):
+    every virtual rank's streams, buffers and data position come from the file that held
+    it; the end is the uninterrupted run's within fp32 summation order."""
+    results = runs[(4, 'virtual')]
+    straight, resumed = results['straight'], results[f'on{ranks}']
+    diffs = {k: (resumed['state'][k] - v).abs().max().item()
+             for k, v in straight['state'].items()}
+    assert max(diffs.values()) <= 1e-5, diffs
+    assert resumed['losses'] == pytest.approx(straight['losses'][POINTS[-1]:], abs=1e-5)

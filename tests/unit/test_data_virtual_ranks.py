@@ -107,8 +107,12 @@ def test_each_virtual_rank_keeps_its_streams_and_buffers() -> None:
     assert not torch.equal(mine_next, torch.rand(2))
     state: Any = virtual.state_dict()
     again = VirtualRanks(2, model)
-    again.load_state_dict(state)
+    again.load_state_dict([state])
     with again.as_rank(1):
         assert torch.equal(model.running_mean, other_mean)
-    with pytest.raises(ValueError, match='holds 2 virtual ranks per rank; this run has 4'):
-        VirtualRanks(4, model).load_state_dict(state)
+    # the 2-rank layout resumed on 2 ranks: rank 1 runs virtual rank 1 as its own
+    alone = VirtualRanks(1, model, first=1, world_size=2)
+    alone.load_state_dict([state])
+    assert torch.equal(model.running_mean, other_mean)
+    with pytest.raises(ValueError, match=r'trained as the 2-rank layout.*layout.world_size=2'):
+        VirtualRanks(4, model).load_state_dict([state])
