@@ -22,6 +22,7 @@ pytestmark = pytest.mark.dist
     ('benchmarks/plan_accuracy.py', ('plan/measured', 'Accelerate MiB', 'DeepSpeed MiB',
                                       'within the target')),
     ('benchmarks/history.py', ("MMEngine's MessageHub ms/iter", '| 10000 |')),
+    ('benchmarks/layout.py', ('accumulation/layout min/med/max', '| 2 |')),
     ('benchmarks/scale.py --cold', ('construction MiB', 'DeepSpeed estimate MiB', 'zero3_init',
                              'Largest measured size')),
 ])
