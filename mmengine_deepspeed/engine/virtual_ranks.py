@@ -17,7 +17,13 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..random_streams import rng_state, set_rng_state
+from ..random_streams import (
+    RawStreams,
+    raw_form,
+    raw_streams,
+    saved_form,
+    set_raw_streams,
+)
 
 
 def loader_iterator_draw() -> None:
@@ -48,14 +54,14 @@ class VirtualRanks:
         self.world_size = world_size if world_size is not None else count
         self._buffers = [b for b in model.buffers() if b is not None]
         # per virtual rank after the first: (streams, buffers); None until training starts
-        self._kept: Optional[list[tuple[dict[str, Any], list[torch.Tensor]]]] = None
+        self._kept: Optional[list[tuple[RawStreams, list[torch.Tensor]]]] = None
 
     def begin(self) -> None:
         """Before an iteration: at the first, every virtual rank starts from this rank's
         streams and buffers (the N-rank run's ranks all start alike: the same seed, the
         same draws before training)."""
         if self._kept is None:
-            streams = rng_state()
+            streams = raw_streams()
             self._kept = [(streams, [b.detach().clone() for b in self._buffers])
                           for _ in range(self.count - 1)]
 
@@ -78,10 +84,10 @@ class VirtualRanks:
             yield
             return
         assert self._kept is not None, 'begin() starts the virtual ranks'
-        own_streams = rng_state()
+        own_streams = raw_streams()
         own_buffers = [b.detach().clone() for b in self._buffers]
         streams, buffers = self._kept[index - 1]
-        set_rng_state(streams)
+        set_raw_streams(streams)
         self._put(buffers)
         try:
             yield
@@ -90,8 +96,8 @@ class VirtualRanks:
                 for live, kept in zip(self._buffers, buffers):
                     kept.copy_(live)
             self._put(own_buffers)
-            self._kept[index - 1] = (rng_state(), buffers)
-            set_rng_state(own_streams)
+            self._kept[index - 1] = (raw_streams(), buffers)
+            set_raw_streams(own_streams)
 
     def _put(self, buffers: list[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -103,9 +109,10 @@ class VirtualRanks:
         before training): what any number of ranks resuming the layout takes them from."""
         if self._kept is None:
             return None
-        own = (rng_state(), self._buffers)
+        own = (raw_streams(), self._buffers)
         return dict(world_size=self.world_size, first=self.first, ranks=[
-            dict(streams=streams, buffers=[b.detach().cpu().clone() for b in buffers])
+            dict(streams=saved_form(streams),
+                 buffers=[b.detach().cpu().clone() for b in buffers])
             for streams, buffers in (own, *self._kept)])
 
     def load_state_dict(self, saved: list[Optional[dict[str, Any]]]) -> None:
@@ -132,6 +139,6 @@ class VirtualRanks:
                     for saved, live in zip(entry['buffers'], self._buffers)]
 
         own, *others = [entry for entry in mine if entry is not None]
-        set_rng_state(own['streams'])
+        set_raw_streams(raw_form(own['streams']))
         self._put(buffers(own))
-        self._kept = [(entry['streams'], buffers(entry)) for entry in others]
+        self._kept = [(raw_form(entry['streams']), buffers(entry)) for entry in others]
