@@ -10,8 +10,7 @@ and those of the others are kept here and switched in for their micro-step only.
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -41,6 +40,10 @@ class MicroBatches(list):
 class VirtualRanks:
     """The random streams and buffers of this rank's virtual ranks after its first.
 
+    An iteration runs its micro-steps in turn, switching once from each virtual rank to the
+    next and from the last back to the first (k switches, each one read and one set of the
+    four streams and a copy of the buffers each way).
+
     Args:
         count (int): The virtual ranks this rank runs (k).
         model (nn.Module): The user's model (whose buffers each virtual rank keeps).
@@ -53,17 +56,34 @@ class VirtualRanks:
         self.count, self.first = count, first
         self.world_size = world_size if world_size is not None else count
         self._buffers = [b for b in model.buffers() if b is not None]
-        # per virtual rank after the first: (streams, buffers); None until training starts
-        self._kept: Optional[list[tuple[RawStreams, list[torch.Tensor]]]] = None
+        # per virtual rank: its (streams, buffers) as it left them; None until training
+        # starts. The first's are live between iterations (its slot is filled when
+        # another runs).
+        self._slots: Optional[list[tuple[RawStreams, list[torch.Tensor]]]] = None
 
     def begin(self) -> None:
         """Before an iteration: at the first, every virtual rank starts from this rank's
         streams and buffers (the N-rank run's ranks all start alike: the same seed, the
         same draws before training)."""
-        if self._kept is None:
+        if self._slots is None:
             streams = raw_streams()
-            self._kept = [(streams, [b.detach().clone() for b in self._buffers])
-                          for _ in range(self.count - 1)]
+            self._slots = [(streams, [b.detach().clone() for b in self._buffers])
+                           for _ in range(self.count)]
+
+    def run_in_turn(self, batches: list[Any], step: Callable[[Any], Any]) -> Any:
+        """``step`` of each virtual rank's batch, each under its streams and buffers;
+        returns the first's result (rank 0's, in the N-rank run's log)."""
+        self.begin()
+        first, at = None, 0
+        try:
+            for index, batch in enumerate(batches):
+                self._switch(at, index)
+                at = index
+                result = step(batch)
+                first = result if index == 0 else first
+        finally:
+            self._switch(at, 0)
+        return first
 
     def new_loader_iterator(self) -> None:
         """Make the other virtual ranks draw what this rank drew creating a DataLoader
@@ -71,49 +91,37 @@ class VirtualRanks:
         validation: each rank of the N-rank run creates its own), so that their streams
         stay those of their ranks. Before training nothing is kept yet: they start from
         this rank's streams, which hold the draw."""
-        if self._kept is None:
+        if self._slots is None:
             return
-        for index in range(1, self.count):
-            with self.as_rank(index):
-                loader_iterator_draw()
+        self.run_in_turn(list(range(self.count)),
+                         lambda index: loader_iterator_draw() if index else None)
 
-    @contextlib.contextmanager
-    def as_rank(self, index: int) -> Iterator[None]:
-        """Run the body as this rank's virtual rank ``index`` (0: the rank itself)."""
-        if index == 0:
-            yield
+    def _switch(self, current: int, to: int) -> None:
+        """Keep virtual rank ``current``'s streams and buffers, put ``to``'s in place."""
+        if current == to:
             return
-        assert self._kept is not None, 'begin() starts the virtual ranks'
-        own_streams = raw_streams()
-        own_buffers = [b.detach().clone() for b in self._buffers]
-        streams, buffers = self._kept[index - 1]
-        set_raw_streams(streams)
-        self._put(buffers)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for live, kept in zip(self._buffers, buffers):
-                    kept.copy_(live)
-            self._put(own_buffers)
-            self._kept[index - 1] = (raw_streams(), buffers)
-            set_raw_streams(own_streams)
-
-    def _put(self, buffers: list[torch.Tensor]) -> None:
+        assert self._slots is not None, 'begin() starts the virtual ranks'
+        _, kept = self._slots[current]
         with torch.no_grad():
-            for live, kept in zip(self._buffers, buffers):
-                live.copy_(kept)
+            for live, slot in zip(self._buffers, kept):
+                slot.copy_(live)
+        self._slots[current] = (raw_streams(), kept)
+        streams, buffers = self._slots[to]
+        set_raw_streams(streams)
+        with torch.no_grad():
+            for live, slot in zip(self._buffers, buffers):
+                live.copy_(slot)
 
     def state_dict(self) -> Optional[dict[str, Any]]:
         """Every virtual rank's streams and buffers on this rank, its own first (None
         before training): what any number of ranks resuming the layout takes them from."""
-        if self._kept is None:
+        if self._slots is None:
             return None
-        own = (raw_streams(), self._buffers)
+        own = (raw_streams(), self._buffers)  # between iterations the first's are live
         return dict(world_size=self.world_size, first=self.first, ranks=[
             dict(streams=saved_form(streams),
                  buffers=[b.detach().cpu().clone() for b in buffers])
-            for streams, buffers in (own, *self._kept)])
+            for streams, buffers in (own, *self._slots[1:])])
 
     def load_state_dict(self, saved: list[Optional[dict[str, Any]]]) -> None:
         """This rank's virtual ranks from what every saved rank held (:meth:`state_dict`,
@@ -139,6 +147,10 @@ class VirtualRanks:
                     for saved, live in zip(entry['buffers'], self._buffers)]
 
         own, *others = [entry for entry in mine if entry is not None]
-        set_raw_streams(raw_form(own['streams']))
-        self._put(buffers(own))
-        self._kept = [(raw_form(entry['streams']), buffers(entry)) for entry in others]
+        streams = raw_form(own['streams'])
+        set_raw_streams(streams)
+        with torch.no_grad():
+            for live, saved_buffer in zip(self._buffers, buffers(own)):
+                live.copy_(saved_buffer)
+        self._slots = [(streams, [b.detach().clone() for b in self._buffers]),
+                       *((raw_form(entry['streams']), buffers(entry)) for entry in others)]

@@ -191,14 +191,7 @@ class DeepSpeedEngineWrapper(nn.Module):
         if virtual is None or len(batches) != virtual.count:
             raise RuntimeError(f'{len(batches)} micro-batches reached a model set up for '
                                f'{virtual.count if virtual else "no"} virtual ranks.')
-        virtual.begin()
-        logged: Optional[dict[str, torch.Tensor]] = None
-        for index, batch in enumerate(batches):
-            with virtual.as_rank(index):
-                log_vars = self.train_step(batch, optim_wrapper)
-            logged = log_vars if logged is None else logged
-        assert logged is not None
-        return logged
+        return virtual.run_in_turn(batches, lambda batch: self.train_step(batch, optim_wrapper))
 
     def val_step(self, data: Data) -> list:
         """Preprocess and forward in ``'predict'`` mode (or the model's own)."""

@@ -92,27 +92,29 @@ def test_each_virtual_rank_keeps_its_streams_and_buffers() -> None:
     model = nn.BatchNorm1d(2)
     virtual = VirtualRanks(2, model)
     torch.manual_seed(0)
-    virtual.begin()
-    own = torch.rand(2)
-    with virtual.as_rank(1):
-        other = torch.rand(2)
-        model.train()(torch.randn(4, 2) * 5 + 3)
-        other_mean = model.running_mean.clone()
-    assert torch.equal(own, other)  # both started from the rank's streams
+    seen: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def step(index: int) -> int:
+        seen[index].append(torch.rand(2))
+        if index == 1:
+            model.train()(torch.randn(4, 2) * 5 + 3)
+        return index * 10
+
+    assert virtual.run_in_turn([0, 1], step) == 0  # the first's result
+    assert torch.equal(seen[0][0], seen[1][0])  # both started from the rank's streams
     assert torch.equal(model.running_mean, torch.zeros(2))  # the rank's own buffers back
-    mine_next = torch.rand(2)
-    with virtual.as_rank(1):
-        torch.rand(4, 2)  # the draws of its last micro-step were kept: the randn's
-        assert torch.equal(model.running_mean, other_mean)
-    assert not torch.equal(mine_next, torch.rand(2))
+    other_mean = virtual.state_dict()['ranks'][1]['buffers'][0]  # type: ignore[index]
+    assert not torch.equal(other_mean, torch.zeros(2))
+    virtual.run_in_turn([0, 1], step)
+    assert not torch.equal(seen[0][1], seen[1][1])  # rank 1's went on after its randn
     state: Any = virtual.state_dict()
     again = VirtualRanks(2, model)
     again.load_state_dict([state])
-    with again.as_rank(1):
-        assert torch.equal(model.running_mean, other_mean)
+    assert torch.equal(again.state_dict()['ranks'][1]['buffers'][0],  # type: ignore[index]
+                       state['ranks'][1]['buffers'][0])
     # the 2-rank layout resumed on 2 ranks: rank 1 runs virtual rank 1 as its own
     alone = VirtualRanks(1, model, first=1, world_size=2)
     alone.load_state_dict([state])
-    assert torch.equal(model.running_mean, other_mean)
+    assert torch.equal(model.running_mean, state['ranks'][1]['buffers'][0])
     with pytest.raises(ValueError, match=r'trained as the 2-rank layout.*layout.world_size=2'):
         VirtualRanks(4, model).load_state_dict([state])
