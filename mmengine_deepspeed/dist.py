@@ -226,6 +226,12 @@ def _destroy_process_group() -> None:
     torch_dist.destroy_process_group()
 
 
+def local_world_size(world_size: int) -> int:
+    """The ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``; all of ``world_size``
+    without it)."""
+    return int(os.environ.get('LOCAL_WORLD_SIZE', world_size))
+
+
 _CPU_GROUP: dict[str, Any] = {}  # 'world': the default group it was made for, 'group'
 
 

@@ -189,8 +189,9 @@ def _built(runner: Any, dataloader: Any) -> tuple[Any, Optional[VirtualRanks]]:
     strategy = strategy_of(runner, 'the train loop')
     if strategy.layout is None:
         return dataloader, None
-    virtual = strategy.start_virtual_ranks()
-    run_as_virtual_ranks(dataloader, virtual.first, virtual.count, virtual.world_size)
+    virtual = strategy.start_virtual_ranks(dataloader)
+    run_as_virtual_ranks(dataloader, virtual.first, virtual.count, virtual.world_size,
+                         virtual.split)
     return dataloader, virtual
 
 

@@ -114,11 +114,12 @@ class VirtualRanksSampler(Sampler):
 
 
 class SplitCollate:
-    """The loader's collate, once per virtual rank's part of a batch.
+    """The loader's collate, once per micro-batch of a batch (a virtual rank's batch, or
+    its equal parts where ``layout.micro_batches`` splits it).
 
     Args:
         collate (Callable): The loader's ``collate_fn``.
-        count (int): The virtual ranks a batch holds, in equal parts.
+        count (int): The micro-batches a batch holds, in equal parts.
     """
 
     def __init__(self, collate: Callable[[list], Any], count: int):
@@ -128,14 +129,17 @@ class SplitCollate:
         size, rest = divmod(len(samples), self.count)
         if rest:
             raise RuntimeError(f'A batch of {len(samples)} samples does not split into '
-                               f'{self.count} virtual ranks\' batches.')
+                               f'{self.count} micro-batches.')
         return MicroBatches(self.collate(samples[j * size:(j + 1) * size])
                             for j in range(self.count))
 
 
-def run_as_virtual_ranks(loader: DataLoader, first: int, count: int, world_size: int) -> None:
+def run_as_virtual_ranks(loader: DataLoader, first: int, count: int, world_size: int,
+                         split: int = 1) -> None:
     """Make ``loader`` give this rank's ``count`` virtual ranks' batches of each iteration
-    (from virtual rank ``first``, of ``world_size``), before any iterator is created.
+    (from virtual rank ``first``, of ``world_size``), each in ``split`` micro-batches
+    (``layout.micro_batches``, checked to divide the batch), before any iterator is
+    created.
 
     Raises:
         ValueError: A custom batch sampler, an ``IterableDataset``, a sampler other than
@@ -157,7 +161,7 @@ def run_as_virtual_ranks(loader: DataLoader, first: int, count: int, world_size:
                                   world_size, batch_size)
     batch_sampler.sampler = sampler
     batch_sampler.batch_size = batch_size * count
-    loader.collate_fn = SplitCollate(loader.collate_fn, count)
+    loader.collate_fn = SplitCollate(loader.collate_fn, count * split)
 
 
 def drawn_from(sampler: Sampler) -> Sampler:

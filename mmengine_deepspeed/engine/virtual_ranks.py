@@ -49,17 +49,24 @@ class VirtualRanks:
         model (nn.Module): The user's model (whose buffers each virtual rank keeps).
         first (int): This rank's first virtual rank. Defaults to 0.
         world_size (int, optional): The layout's ranks (N). Defaults to ``count``.
+        split (int): The micro-batches each virtual rank's batch runs in
+            (``layout.micro_batches``). Defaults to 1.
     """
 
     def __init__(self, count: int, model: nn.Module, first: int = 0,
-                 world_size: Optional[int] = None):
-        self.count, self.first = count, first
+                 world_size: Optional[int] = None, split: int = 1):
+        self.count, self.first, self.split = count, first, split
         self.world_size = world_size if world_size is not None else count
         self._buffers = [b for b in model.buffers() if b is not None]
         # per virtual rank: its (streams, buffers) as it left them; None until training
         # starts. The first's are live between iterations (its slot is filled when
         # another runs).
         self._slots: Optional[list[tuple[RawStreams, list[torch.Tensor]]]] = None
+
+    @property
+    def micro_steps(self) -> int:
+        """Backwards per iteration: every virtual rank's micro-batches."""
+        return self.count * self.split
 
     def begin(self) -> None:
         """Before an iteration: at the first, every virtual rank starts from this rank's

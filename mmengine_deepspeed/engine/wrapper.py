@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
 from deepspeed import DeepSpeedEngine
@@ -60,6 +60,17 @@ def overrides(module: nn.Module, method: str) -> bool:
     if not isinstance(module, BaseModel):
         return True
     return getattr(type(module), method) is not getattr(BaseModel, method)
+
+
+def mean_log_vars(logged: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One batch's log variables from its equal micro-batches' (each the mean of its
+    samples'): the mean of each key over the micro-batches that logged it (a conditional
+    branch may log a key in some only). On the device: nothing is read."""
+    if len(logged) == 1:
+        return logged[0]
+    keys = dict.fromkeys(key for log_vars in logged for key in log_vars)
+    return {key: cast(torch.Tensor, sum(values)) / len(values) for key in keys
+            for values in [[log_vars[key] for log_vars in logged if key in log_vars]]}
 
 
 @MODEL_WRAPPERS.register_module()
@@ -184,14 +195,18 @@ class DeepSpeedEngineWrapper(nn.Module):
 
     def _micro_steps(self, batches: MicroBatches,
                      optim_wrapper: OptimWrapper) -> dict[str, torch.Tensor]:
-        """One iteration of a layout: each virtual rank's batch a micro-step, with its own
-        random streams and buffers; the log shows the first's (rank 0's, in the N-rank
-        run's log)."""
+        """One iteration of a layout: each virtual rank's micro-batches micro-steps, under
+        its own random streams and buffers; the log shows the first's (rank 0's, in the
+        N-rank run's log: over its micro-batches, the mean)."""
         virtual = self.virtual_ranks
-        if virtual is None or len(batches) != virtual.count:
+        if virtual is None or len(batches) != virtual.micro_steps:
             raise RuntimeError(f'{len(batches)} micro-batches reached a model set up for '
-                               f'{virtual.count if virtual else "no"} virtual ranks.')
-        return virtual.run_in_turn(batches, lambda batch: self.train_step(batch, optim_wrapper))
+                               f'{virtual.micro_steps if virtual else "no"} (virtual ranks x '
+                               'micro-batches).')
+        split = virtual.split
+        return virtual.run_in_turn(
+            [batches[at:at + split] for at in range(0, len(batches), split)],
+            lambda own: mean_log_vars([self.train_step(batch, optim_wrapper) for batch in own]))
 
     def val_step(self, data: Data) -> list:
         """Preprocess and forward in ``'predict'`` mode (or the model's own)."""

@@ -63,7 +63,7 @@ class ThroughputHook(Hook):
         strategy = strategy_of(runner, 'ThroughputHook')
         virtual = strategy.virtual_ranks  # a layout's: each a micro-batch of the iteration
         self._samples = strategy.specs.shared('train_micro_batch_size_per_gpu') \
-            * runner.world_size * (virtual.count if virtual is not None else 1)
+            * runner.world_size * (virtual.micro_steps if virtual is not None else 1)
         self._tokens = getattr(runner.model.module, 'tokens_per_sample', None)
         if self.interval is None:
             self._reduce_every = logging_interval(runner)

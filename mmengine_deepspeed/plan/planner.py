@@ -82,8 +82,9 @@ class Plan:
     activations: Activations
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    # the config's layout (``config/layout.py``): world_size N, virtual ranks per rank
-    layout: Optional[dict[str, int]] = None
+    # the config's layout (``config/layout.py``): world_size N, virtual ranks per rank,
+    # micro-batches per virtual rank's batch and why, the configured row's peak there
+    layout: Optional[dict[str, Any]] = None
 
     @property
     def micro_batch(self) -> int:
@@ -120,6 +121,14 @@ def _total_memory_mib() -> float:
             if line.startswith('MemTotal:'):
                 return int(line.split()[1]) / 1024
     raise RuntimeError('no MemTotal in /proc/meminfo: give --device-memory and --host-memory')
+
+
+def device_memory_mib(nproc: int) -> float:
+    """Memory per rank: the CUDA device's, or on the CPU this machine's over ``nproc``."""
+    if cuda_available():
+        import torch
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / MIB
+    return _total_memory_mib() / nproc
 
 
 def _specs(cfg: Config, ranks: int) -> EngineSpecs:
@@ -180,20 +189,21 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
                                     [engine.name for engine in engines])
     mode = specs.precision
     compute_bytes = 4 if mode == 'fp32' else 2
-    if device_memory_gib is not None:
-        device_mib = device_memory_gib * 1024
-    elif cuda:
-        import torch
-        device_mib = torch.cuda.get_device_properties(0).total_memory / MIB
-    else:
-        device_mib = _total_memory_mib() / nproc
+    device_mib = device_memory_gib * 1024 if device_memory_gib is not None \
+        else device_memory_mib(nproc)
     host_mib = host_memory_gib * 1024 if host_memory_gib is not None else _total_memory_mib()
     plan = Plan(nproc, nnodes, 'cuda' if cuda else 'cpu', mode, device_mib, host_mib, fixed,
                 engines, activations)
     layout = Layout.of(cfg.get('layout'))
     if layout is not None:  # one virtual rank's micro-batch at a time: the same rows
+        configured = _configured_row(cfg, specs, engines, activations, ranks, nproc, fixed,
+                                     micro_batch)
+        split = layout.split(micro_batch, lambda m: configured.peak_mib(m)[0], device_mib)
+        micro_batch //= split.count
         plan.layout = dict(world_size=layout.world_size,
-                           virtual_ranks_per_rank=layout.per_rank(ranks))
+                           virtual_ranks_per_rank=layout.per_rank(ranks),
+                           micro_batches=split.count, why=split.why,
+                           peak_mib=round(configured.peak_mib(micro_batch)[0], 1))
     reference: Optional[dict[str, float]] = None  # ZeRO-0's parts, the first row
     for stage, offload_opt, offload_param in ROWS:
         zeros = {name: _row_zero(ds, stage, offload_opt, offload_param, model)
@@ -301,17 +311,19 @@ class _RowModel:
         return largest
 
 
-def predicted_peak_mib(cfg: Config, specs: EngineSpecs, ranks: int, nproc: int,
-                       batch: Any, fixed_mib: float,
-                       measured: Optional[tuple[nn.Module, tuple[int, int]]] = None) -> float:
-    """The plan's peak per rank for the layout a run has (the training banner's prediction).
+def peak_model(cfg: Config, specs: EngineSpecs, ranks: int, nproc: int, batch: Any,
+               samples: int, fixed_mib: float,
+               measured: Optional[tuple[nn.Module, tuple[int, int]]] = None) -> _RowModel:
+    """The plan's model of a run's peak per rank as a function of its micro-batch: the
+    training banner's prediction, and what ``layout.micro_batches='auto'`` fits.
 
     Args:
         cfg (Config): The run's config (its model as a dict).
-        specs (EngineSpecs): The engines, built (their finished ds_configs).
+        specs (EngineSpecs): The engines (their resolved ds_configs).
         ranks (int): World size.
         nproc (int): Ranks on this node.
         batch (Any): One batch as the loop hands it to ``train_step``.
+        samples (int): The samples in ``batch``.
         fixed_mib (float): The process's RSS before the model was built (0 on CUDA).
         measured (tuple, optional): For a model the meta device cannot run: the run's
             own model and the (float bytes, other bytes) its first training step saved
@@ -323,27 +335,32 @@ def predicted_peak_mib(cfg: Config, specs: EngineSpecs, ranks: int, nproc: int,
             ``measured`` (no probe here: a second model would raise the memory being
             predicted).
     """
-    micro_batch = int(specs.shared('train_micro_batch_size_per_gpu'))
     compute_bytes = 4 if specs.precision == 'fp32' else 2
     if measured is None:
         engines = census(cfg, meta_model(cfg, for_real=False))
         activations = trace_activations(cfg, meta_model(cfg, for_real=False), batch,
-                                        micro_batch, [engine.name for engine in engines],
+                                        samples, [engine.name for engine in engines],
                                         probe=False)
     else:
         model, (floats, others) = measured
         with contextlib.suppress(Exception):  # else its construction needs values: the run's
             model = meta_model(cfg, for_real=False)
         engines = census(cfg, model)
-        activations = Activations(floats, others, compute_bytes, micro_batch, 'measured')
+        activations = Activations(floats, others, compute_bytes, samples, 'measured')
+    return _configured_row(cfg, specs, engines, activations, ranks, nproc, fixed_mib, samples)
+
+
+def _configured_row(cfg: Config, specs: EngineSpecs, engines: list[EngineCensus],
+                    activations: Activations, ranks: int, nproc: int, fixed_mib: float,
+                    micro_batch: int) -> _RowModel:
+    """The row of the ZeRO stage and offload the config's ds_config names."""
     offload_optimizer, offload_param = offload_devices(specs.process_config(
         'zero_optimization.offload_optimizer', 'zero_optimization.offload_param'))
     layout = MemoryLayout(specs.zero_stage, offload_optimizer is not None,
-                          offload_param is not None, compute_bytes, ranks, micro_batch,
-                          cuda_available(), fills_empty(cfg))
+                          offload_param is not None, 4 if specs.precision == 'fp32' else 2,
+                          ranks, micro_batch, cuda_available(), fills_empty(cfg))
     zeros = {name: ds.get('zero_optimization') or {} for name, ds in specs.configs().items()}
-    return _RowModel(engines, zeros, activations, layout, fixed_mib, nproc).peak_mib(
-        micro_batch)[0]
+    return _RowModel(engines, zeros, activations, layout, fixed_mib, nproc)
 
 
 def construction_mib(engines: list[EngineCensus], stage: int, ranks: int, cuda: bool,

@@ -61,12 +61,16 @@ def plan_text(plan: Plan) -> str:
              f'{plan.platform}, {plan.precision}; {plan.device_mib:.0f} MiB per rank, '
              f'{plan.host_mib:.0f} MiB host per node']
     if plan.layout is not None:
-        per_rank = plan.layout['virtual_ranks_per_rank']
+        per_rank, split = plan.layout['virtual_ranks_per_rank'], plan.layout['micro_batches']
         lines.append(
             f'layout: the {plan.layout["world_size"]}-rank run, {per_rank} virtual rank(s) per '
-            f'rank one after another: each rank holds one virtual rank\'s micro-batch '
-            f'({plan.micro_batch}) at a time, so the rows are those of {plan.micro_batch} per '
-            f'rank, and each optimizer step takes {per_rank} times as long')
+            f'rank one after another' + (
+                f', each one\'s batch in {split} micro-batches ({plan.layout["why"]})'
+                if split > 1 or plan.layout['why'] else '') +
+            f': each rank holds one micro-batch ({plan.micro_batch}) at a time, so the rows '
+            f'are those of {plan.micro_batch} per rank (the configured row: '
+            f'{plan.layout["peak_mib"]:.0f} MiB), and each optimizer step takes '
+            f'{per_rank * split} micro-steps')
     for engine in plan.engines:
         dtypes = ', '.join(f'{k} {_count(v)}' for k, v in engine.dtypes.items())
         lines.append(

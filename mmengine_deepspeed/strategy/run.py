@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, Optional, Union, cast
@@ -29,10 +28,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..checkpoint.checkpointer import Checkpointer
-from ..compat import diff_rank_seed
 from ..config.layout import Layout
 from ..config.resolve import DsConfigSource
-from ..dist import cuda_available
+from ..dist import cuda_available, local_world_size
 from ..engine.activation import checkpoint_through_deepspeed, has_section
 from ..engine.build import build_engines, left_unwrapped, wrap_optimizers
 from ..engine.compile import check_deepcompile, compile_engines, compile_options
@@ -46,10 +44,10 @@ from ..engine.spec import (
     named_optimizers,
     named_wrappers,
 )
-from ..engine.virtual_ranks import VirtualRanks
+from ..engine.virtual_ranks import MicroBatches, VirtualRanks
 from ..engine.wrapper import DeepSpeedEngineWrapper, overrides
 from ..plan.census import import_scope
-from ..plan.planner import predicted_peak_mib
+from ..plan.planner import peak_model
 from ..process_memory import rss_mib
 from ..random_streams import rng_state, set_rng_state
 from ..zero.gather import gather_on_use
@@ -57,6 +55,7 @@ from ..zero.in_step import hooks_update_on_whole_tensors
 from ..zero.partitioned import build_advice, built_partitioned
 from .agreement import Agreement, logging_interval
 from .checkpoints import checkpoint_parts
+from .layout import layout_virtual_ranks
 
 
 class RunStrategy:
@@ -225,11 +224,14 @@ class RunStrategy:
             runner.logger.info('DeepSpeed activation checkpointing configured; modules through '
                                f'its checkpoint: {", ".join(wrapped) or "none listed"}.')
         built = Runner.build_optim_wrapper(runner, as_plain_wrappers(runner.optim_wrapper))
-        micro_steps = self.micro_steps()
+        virtual = None if self.layout is None else \
+            self.start_virtual_ranks(runner.train_dataloader)
+        split, micro_steps = (1, 1) if virtual is None else (virtual.split, virtual.micro_steps)
         # The engines follow the wrappers built now (runner.optim_wrapper may have changed);
-        # a layout's virtual ranks are accumulation micro-steps of each update.
+        # a layout's virtual ranks (and their micro-batches) are accumulation micro-steps.
         self.specs.use_settings({
-            name: replace(side, accumulative_counts=(side.accumulative_counts or 1) * micro_steps)
+            name: replace(side, accumulative_counts=(side.accumulative_counts or 1) * micro_steps,
+                          batch_size=side.batch_size and side.batch_size // split)
             for name, side in mmengine_settings(runner.train_dataloader, built,
                                                 runner.param_schedulers).items()})
         self._build_engines(named_optimizers(built))
@@ -239,42 +241,15 @@ class RunStrategy:
         runner.optim_wrapper = wrap_optimizers(
             self.specs, self.find_unused_parameters,
             own_train_step=overrides(self.bare_model, 'train_step'), micro_steps=micro_steps)
-        if self.layout is not None:
-            cast(DeepSpeedEngineWrapper, runner.model).virtual_ranks = \
-                self.start_virtual_ranks()
-            runner.logger.info(
-                f'layout: training as the {micro_steps * runner.world_size}-rank run, '
-                f'{micro_steps} virtual ranks per rank, each a micro-step of every iteration.')
+        cast(DeepSpeedEngineWrapper, runner.model).virtual_ranks = virtual
 
-    def start_virtual_ranks(self) -> VirtualRanks:
-        """This rank's virtual ranks (a layout's: the train loop's loader gives their
-        batches, the engine wrapper steps them), made at the first call."""
+    def start_virtual_ranks(self, loader: Any) -> VirtualRanks:
+        """This rank's virtual ranks (a layout's: the train loop's ``loader`` gives their
+        batches, the engine wrapper steps them), made at the first call
+        (``strategy/layout.py``)."""
         if self.virtual_ranks is None:
-            count = self.micro_steps()
-            assert self.layout is not None
-            self.virtual_ranks = VirtualRanks(count, self.bare_model,
-                                              first=self.runner.rank * count,
-                                              world_size=self.layout.world_size)
+            self.virtual_ranks = layout_virtual_ranks(self, loader)
         return self.virtual_ranks
-
-    def micro_steps(self) -> int:
-        """The virtual ranks each rank runs (1 without a layout), checked against what a
-        layout cannot emulate."""
-        if self.layout is None:
-            return 1
-        count = self.layout.per_rank(self.runner.world_size)
-        if overrides(self.bare_model, 'train_step') or self.specs.several:
-            raise ValueError(
-                f'{type(self.bare_model).__name__} steps its optimizers in its own train_step '
-                '(a GAN\'s discriminator, then its generator): with layout each step would '
-                'have to see every virtual rank\'s batch before the next one. Remove layout '
-                'and set the batch and accumulation for the ranks you have.')
-        if diff_rank_seed(self.runner):
-            raise ValueError(
-                'layout gives each virtual rank the random streams of that rank of the '
-                'N-rank run, which with randomness.diff_rank_seed=True were seeded per rank '
-                'before training: remove diff_rank_seed, or layout.')
-        return count
 
     def ensure_engine(self) -> None:
         """For ``val()`` / ``test()``: the plan resolved, and an engine without optimizer
@@ -376,19 +351,31 @@ class RunStrategy:
 
     def predicted_peak_mib(self, data_batch: Any,
                            saved: Optional[tuple[int, int]] = None) -> float:
-        """What ``mmengine-deepspeed plan`` predicts per rank for this run's engines.
+        """What ``mmengine-deepspeed plan`` predicts per rank for this run's engines, at
+        the micro-batch of the loop's ``data_batch`` (a layout's first micro-batch).
 
-        Traced on a meta-device copy of the config's model with a copy of the loop's
-        batch (no second dataset, which would raise the memory being predicted; meta
-        ops draw no random numbers); ``saved``: what the run's first step saved for
-        backward, measured, for a model the meta device cannot run. Raises where the
-        model is not a config, or without ``saved`` where tracing fails.
+        ``saved``: what the run's first step saved for backward, measured, for a model the
+        meta device cannot run. Raises where the model is not a config, or without
+        ``saved`` where tracing fails.
+        """
+        if isinstance(data_batch, MicroBatches):
+            data_batch = data_batch[0]
+        micro_batch = int(self.specs.shared('train_micro_batch_size_per_gpu'))
+        return self.peak_model(data_batch, micro_batch, saved).peak_mib(micro_batch)[0]
+
+    def peak_model(self, data_batch: Any, samples: int,
+                   saved: Optional[tuple[int, int]] = None) -> Any:
+        """``plan``'s model of this run's peak per rank by micro-batch (``peak_mib``).
+
+        Traced on a meta-device copy of the config's model with a copy of ``data_batch``
+        (``samples`` samples; no second dataset, which would raise the memory being
+        predicted; meta ops draw no random numbers); ``saved`` as in
+        :meth:`predicted_peak_mib`.
         """
         runner = self.runner
         if not isinstance(runner.cfg.get('model'), dict):
             raise ValueError('the model was given as an instance, not a config')
-        return predicted_peak_mib(self.whole_cfg, self.specs,
-                                  runner.world_size,
-                                  int(os.environ.get('LOCAL_WORLD_SIZE', runner.world_size)),
-                                  copy.deepcopy(data_batch), self.rss_at_start_mib,
-                                  None if saved is None else (self.bare_model, saved))
+        return peak_model(self.whole_cfg, self.specs, runner.world_size,
+                          local_world_size(runner.world_size), copy.deepcopy(data_batch),
+                          samples, self.rss_at_start_mib,
+                          None if saved is None else (self.bare_model, saved))

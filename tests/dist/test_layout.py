@@ -50,7 +50,15 @@ def _scenarios(layout: int | None) -> list[dict]:
     extra = {} if layout is None else {'layout': {'world_size': layout}}
     runs = [{'name': name, 'cfg': dict(BASE, **{'optimizer': ADAMW, **cfg}, **extra)}
             for name, cfg in MODELS.items()]
+    if layout is not None:  # each virtual rank's batch of 2 in micro-batches of 1
+        split = dict(BASE, optimizer=ADAMW, **MODELS['plain'])
+        runs.append({'name': 'split', 'cfg': dict(split, layout={
+            'world_size': layout, 'micro_batches': 2})})
     if layout == 4:
+        # 'auto' where rank 1's prediction needs micro-batches of 1 (a test double), rank
+        # 0's the whole batch: the ranks agree on 2
+        runs.append({'name': 'agreed', 'oversized_on_rank1': True, 'cfg': dict(
+            split, layout={'world_size': layout, 'micro_batches': 'auto'})})
         runs.append({'name': 'straight', 'cfg': dict(BASE, **RESUMED, **extra)})
         runs += [{'name': f'from{point}', 'cfg': dict(
             BASE, **RESUMED, **extra, resume=True,
@@ -69,6 +77,9 @@ def runs(tmp_path_factory: Any) -> dict[tuple[int, str], dict[str, Any]]:
         launch_scenarios('tests/dist/worker.py', out, scenarios, nproc=nproc)
         results[(world_size, kind)] = {
             s['name']: torch.load(osp.join(out, f'{s["name"]}.rank0.pt')) for s in scenarios}
+        if layout == 4:
+            results[(world_size, kind)]['agreed_rank1'] = torch.load(
+                osp.join(out, 'agreed.rank1.pt'))
         if layout == 4:  # the same run resumed on 1 and on 4 ranks
             checkpoint = osp.join(out, 'straight', f'iter_{POINTS[-1]}.pth')
             for other in (1, 4):
@@ -119,3 +130,28 @@ def test_a_layout_run_resumed_on_another_number_of_ranks_continues_the_same_run(
              for k, v in straight['state'].items()}
     assert max(diffs.values()) <= 1e-5, diffs
     assert resumed['losses'] == pytest.approx(straight['losses'][POINTS[-1]:], abs=1e-5)
+
+
+@pytest.mark.parametrize('world_size', [2, 4])
+def test_a_split_batch_gives_the_n_rank_runs_numbers(runs: Any, world_size: int) -> None:
+    """``layout.micro_batches=2``: each virtual rank's batch of 2 in two micro-steps of 1,
+    every rank accumulating 2 x its virtual ranks' micro-batches into one step; the N-rank
+    run's parameters (fp32 summation order) and its logged losses (each the mean over
+    the batch's micro-batches)."""
+    real = runs[(world_size, 'real')]['plain']
+    split = runs[(world_size, 'virtual')]['split']
+    diffs = {k: (split['state'][k] - v).abs().max().item() for k, v in real['state'].items()}
+    assert max(diffs.values()) <= 1e-5, diffs
+    assert split['losses'] == pytest.approx(real['losses'], abs=1e-5)
+    assert split['split'] == 2 and split['accumulation'] == 4  # 2 virtual ranks x 2
+
+
+def test_auto_micro_batches_are_agreed_across_ranks(runs: Any) -> None:
+    """``micro_batches='auto'`` on 2 ranks where only rank 1's prediction (a test double)
+    says the batch of 2 does not fit: both ranks split it in 2 (the largest need), rank 0
+    included, and the run still gives the 4-rank run's parameters."""
+    real, agreed = runs[(4, 'real')]['plain'], runs[(4, 'virtual')]['agreed']
+    assert agreed['split'] == 2 and agreed['accumulation'] == 4
+    assert runs[(4, 'virtual')]['agreed_rank1']['split'] == 2
+    diffs = {k: (agreed['state'][k] - v).abs().max().item() for k, v in real['state'].items()}
+    assert max(diffs.values()) <= 1e-5, diffs

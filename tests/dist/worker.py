@@ -36,6 +36,7 @@ import tests.norm_reference  # registers RefLARS, RefLamb
 import tests.toy_teacher  # noqa: F401  registers ToyTeacherModel
 from mmengine_deepspeed.checkpoint.layout import MARKER_FILE
 from mmengine_deepspeed.dist import init_distributed
+from mmengine_deepspeed.strategy.run import RunStrategy
 from tests.helpers import (
     ema_state,
     model_state,
@@ -148,6 +149,25 @@ class GatherBetweenPhasesHook(Hook):
         self._gather(runner, 'after_test_epoch')
 
 
+_PEAK_MODEL = RunStrategy.peak_model
+
+
+class _Oversized:
+    """A test double of plan's peak model: more than one sample never fits."""
+
+    def peak_mib(self, micro_batch: int) -> tuple[float, float]:
+        return (1.0 if micro_batch == 1 else 1e12), 0.0
+
+
+def _predict_oversized(here: bool) -> None:
+    """``here``: on this rank only, plan predicts that a micro-batch of more than one
+    sample does not fit (a test double of a rank whose prediction differs: another batch
+    shape, less memory), so that ``micro_batches='auto'`` is agreed across ranks; else
+    the real prediction (a previous scenario's double undone)."""
+    RunStrategy.peak_model = (  # type: ignore[method-assign]
+        (lambda self, *args, **kwargs: _Oversized()) if here else _PEAK_MODEL)
+
+
 def run(out_dir: str, scenario: dict) -> None:
     name = scenario['name']
     mode = scenario.get('mode', 'train')
@@ -157,6 +177,7 @@ def run(out_dir: str, scenario: dict) -> None:
     if 'kill_rank1_at_iter' in scenario and os.environ.get('TORCHELASTIC_RESTART_COUNT') in (
             None, '0'):  # the first attempt dies; a restart by the elastic agent does not
         _kill_rank1_during_save_at(scenario['kill_rank1_at_iter'], runner_box)
+    _predict_oversized(bool(scenario.get('oversized_on_rank1')) and os.environ['RANK'] == '1')
     cfg = toy_config(scenario.get('work_dir', osp.join(out_dir, name)), **scenario.get('cfg', {}))
     # Runners built in the same second would share MessageHub's history
     # (docs/troubleshooting.md, Known limits).
@@ -223,6 +244,8 @@ def run(out_dir: str, scenario: dict) -> None:
         compiled=engine.is_compiled,
         zero_config=runner.strategy.specs.shared('zero_optimization'),
         engine_optimizer=type(engine.optimizer).__name__, backend=torch.distributed.get_backend(),
+        accumulation=engine.gradient_accumulation_steps(),
+        split=getattr(runner.strategy.virtual_ranks, 'split', None),
         wrapper=type(runner.model).__name__, module=type(module).__name__)
     torch.save(result, osp.join(out_dir, f'{name}.rank{runner.rank}.pt'))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import json
 import os.path as osp
+import re
 from typing import Any
 
 import pytest
@@ -88,7 +89,9 @@ def test_a_layout_is_planned_as_one_virtual_rank_at_a_time(
     text and the JSON say the layout; ranks that do not divide it are refused."""
     plain = _plan_json(capsys, TOY, '--nproc', '2')
     laid = _plan_json(capsys, TOY, '--nproc', '2', '--cfg-options', 'layout.world_size=8')
-    assert laid['layout'] == {'world_size': 8, 'virtual_ranks_per_rank': 4}
+    assert {k: laid['layout'][k] for k in ('world_size', 'virtual_ranks_per_rank',
+                                           'micro_batches', 'why')} == {
+        'world_size': 8, 'virtual_ranks_per_rank': 4, 'micro_batches': 1, 'why': ''}
     assert plain['layout'] is None
     assert [r['micro_batch'] for r in laid['rows']] == [r['micro_batch'] for r in plain['rows']]
     assert main(['plan', TOY, '--nproc', '2', '--cfg-options', 'layout.world_size=8']) == 0
@@ -238,3 +241,32 @@ def test_a_rows_parts_add_up_to_its_peak_and_name_what_costs_more(demo_plan: dic
     zero = dict.fromkeys(PARTS, 1.0)
     assert why_more(dict(zero, buffers=30.0), zero) == 'buffers'
     assert why_more(dict(zero, states=0.0, heap=1.2), zero) == ''
+
+
+def test_a_layout_split_is_planned_at_its_micro_batch(capsys: pytest.CaptureFixture) -> None:
+    """``layout.micro_batches``: the rows are planned at the split's micro-batch; ``'auto'``
+    takes the smallest split whose predicted peak fits ``memory_gib``, says why, and
+    refuses where even one sample does not fit."""
+    options = ['--nproc', '2', '--cfg-options', 'train_dataloader.batch_size=256',
+               'layout.world_size=4']
+    whole = _plan_json(capsys, DEMO, *options)
+    halves = _plan_json(capsys, DEMO, *options, 'layout.micro_batches=2')
+    assert [r['micro_batch'] for r in halves['rows']] == [128] * len(whole['rows'])
+    assert halves['layout']['micro_batches'] == 2
+    assert halves['layout']['peak_mib'] < whole['layout']['peak_mib']
+    between = (whole['layout']['peak_mib'] + halves['layout']['peak_mib']) / 2 / 1024
+    auto = _plan_json(capsys, DEMO, *options, 'layout.micro_batches=auto',
+                      f'layout.memory_gib={between}')
+    assert auto['layout']['micro_batches'] == 2 and auto['rows'][0]['micro_batch'] == 128
+    assert "micro_batches='auto'" in auto['layout']['why'] and 'over' in auto['layout']['why']
+    roomy = _plan_json(capsys, DEMO, *options, 'layout.micro_batches=auto',
+                       'layout.memory_gib=1000')
+    assert roomy['layout']['micro_batches'] == 1 and 'within' in roomy['layout']['why']
+    capsys.readouterr()
+    assert main(['plan', DEMO, *options, 'layout.micro_batches=auto',
+                 'layout.memory_gib=0.001']) == 2
+    assert 'even one sample is predicted' in capsys.readouterr().err
+    assert main(['plan', DEMO, *options, 'layout.micro_batches=3']) == 2
+    assert re.search(r'micro_batches=3 does not divide.*1, 2, 4, 8', capsys.readouterr().err)
+    assert main(['plan', DEMO, *options, 'layout.micro_batches=2']) == 0
+    assert 'each one\'s batch in 2 micro-batches' in capsys.readouterr().out
