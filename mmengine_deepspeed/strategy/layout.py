@@ -52,8 +52,9 @@ def layout_virtual_ranks(strategy: RunStrategy, loader: DataLoader) -> VirtualRa
     runner.logger.info(
         f'layout: training as the {layout.world_size}-rank run, {count} virtual rank(s) per '
         'rank, each a micro-step of every iteration' + (
-            f', each virtual rank\'s batch in {split.count} micro-batches ({split.why})'
-            if split.count > 1 or layout.micro_batches == AUTO else '') + '.')
+            ', each virtual rank\'s batch ' + (
+                f'in {split.count} micro-batches' if split.count > 1 else 'whole')
+            + f' ({split.why})' if split.why else '') + '.')
     return VirtualRanks(count, strategy.bare_model, first=runner.rank * count,
                         world_size=layout.world_size, split=split.count)
 

@@ -17,6 +17,7 @@ from mmengine_deepspeed.data.virtual_ranks import (
     samples_per_batch,
 )
 from mmengine_deepspeed.engine.virtual_ranks import MicroBatches, VirtualRanks
+from mmengine_deepspeed.engine.wrapper import mean_log_vars
 
 
 def _n_rank_indices(dataset: list, rank: int, world_size: int, epoch: int) -> list[int]:
@@ -118,3 +119,14 @@ def test_each_virtual_rank_keeps_its_streams_and_buffers() -> None:
     assert torch.equal(model.running_mean, state['ranks'][1]['buffers'][0])
     with pytest.raises(ValueError, match=r'trained as the 2-rank layout.*layout.world_size=2'):
         VirtualRanks(4, model).load_state_dict([state])
+
+
+def test_a_split_batch_logs_the_mean_of_its_micro_batches() -> None:
+    """Each key's mean over the micro-batches that logged it (a conditional branch may log
+    a key in some only); one micro-batch's log is its own."""
+    one = {'loss': torch.tensor(1.0)}
+    assert mean_log_vars([one]) is one
+    logged = mean_log_vars([{'loss': torch.tensor(1.0), 'aux': torch.tensor(4.0)},
+                            {'loss': torch.tensor(3.0)}])
+    assert list(logged) == ['loss', 'aux']
+    assert logged['loss'].item() == 2.0 and logged['aux'].item() == 4.0
