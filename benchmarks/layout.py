@@ -5,7 +5,9 @@ cost (each micro-step under its own random streams and buffers, one iteration fo
 A small BatchNorm + dropout MLP (host-bound on the CPU, where the switches weigh most), k
 virtual ranks per rank against ``accumulative_counts=k``; each measurement its own torchrun
 launch, the two modes alternating. The ratio is accumulation's time per optimizer step over
-the layout's: >= 0.98 means the layout costs at most 2 %.
+the layout's: >= 0.98 means the layout costs at most 2 %. Beside it, what the switches of
+virtual rank alone cost per optimizer step, timed in this process (the end-to-end ratio of
+a few-millisecond step is within a shared machine's noise).
 
     python benchmarks/layout.py [--rounds 5] [--smoke]
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from os import path as osp
 
@@ -31,7 +34,8 @@ def main() -> None:
     parser.add_argument('--rounds', type=int, default=5)
     parser.add_argument('--smoke', action='store_true', help='seconds-long run for CI')
     args = parser.parse_args()
-    rounds, counts, steps = args.rounds, (2, 4), 40
+    counts: tuple[int, ...] = (2, 4)
+    rounds, steps = args.rounds, 300
     if args.smoke:
         rounds, counts, steps = 1, (2,), 5
     ms: dict[tuple[int, str], list[float]] = defaultdict(list)
@@ -46,11 +50,28 @@ def main() -> None:
     rows = []
     for k in counts:
         ratios = [a / b for a, b in zip(ms[(k, 'accumulation')], ms[(k, 'layout')])]
-        rows.append([k, device_ranks(), f'{min(ms[(k, "accumulation")]):.1f}',
-                     f'{min(ms[(k, "layout")]):.1f}', spread(ratios)])
+        fastest = min(ms[(k, 'accumulation')])
+        switches = switches_ms(k)
+        rows.append([k, device_ranks(), f'{fastest:.1f}', f'{min(ms[(k, "layout")]):.1f}',
+                     spread(ratios), f'{switches:.2f} ({100 * switches / fastest:.1f} %)'])
     print(f'{device_name()}, {device_ranks()} rank(s), {rounds} round(s)')
     print(table(['virtual ranks per rank', 'ranks', 'accumulation ms/step (min)',
-                 'layout ms/step (min)', 'accumulation/layout min/med/max'], rows))
+                 'layout ms/step (min)', 'accumulation/layout min/med/max',
+                 'switches ms/step (of accumulation\'s)'], rows))
+
+
+def switches_ms(k: int, iterations: int = 2000) -> float:
+    """What one iteration's switches of k virtual ranks cost on the benchmark's model, alone
+    (a stable figure where the end-to-end ratio is within a noisy machine's spread)."""
+    from benchmarks.layout_worker import LayoutBenchModel
+    from mmengine_deepspeed.engine.virtual_ranks import VirtualRanks
+
+    virtual = VirtualRanks(k, LayoutBenchModel())
+    batches = list(range(k))
+    start = time.perf_counter()
+    for _ in range(iterations):
+        virtual.run_in_turn(batches, lambda batch: None)
+    return (time.perf_counter() - start) * 1e3 / iterations
 
 
 if __name__ == '__main__':

@@ -126,13 +126,12 @@ class DeepSpeedRunner(Runner):
         self.nonfinite_hook = NonFiniteHook(
             NonFinitePolicy.of(_from_cfg(cfg, 'nonfinite', nonfinite, None)),
             exclude_samples_of(_from_cfg(cfg, 'exclude_samples', exclude_samples, None)))
-        if self.strategy.layout is not None and (
-                self.nonfinite_hook.exclude_samples
-                or self.nonfinite_hook.policy.policy == 'rollback'):
+        if self.strategy.layout is not None and self.nonfinite_hook.policy.policy == 'rollback':
             raise ValueError(
-                'layout does not leave samples out yet (exclude_samples, nonfinite '
-                'policy=\'rollback\'): each virtual rank would have to leave them out of its '
-                'own pass. Remove one of them.')
+                'layout does not roll back yet (nonfinite policy=\'rollback\'): the samples '
+                'left out would be those of every virtual rank of the failed iteration, not '
+                'the failing rank\'s as on N ranks. Use policy \'skip\' or \'stop\', or '
+                'remove layout.')
         self._hook_calls = HookCalls(self.strategy.specs)
         super().__init__(*args, **kwargs)
         self.strategy.build_checkpointer(resume=bool(arguments.get('resume', False)),

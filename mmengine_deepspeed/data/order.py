@@ -125,7 +125,7 @@ class SampleIndex(int):
 RECENT_INDICES = 1 << 16
 
 
-def _substituted(indices: Iterator[int], excluded: frozenset[int]) -> Iterator[int]:
+def substituted(indices: Iterator[int], excluded: frozenset[int]) -> Iterator[int]:
     """``indices``, each excluded one replaced by the last one before it that is not (at
     the start, by the first one after it): as many indices, at the same positions."""
     last: Optional[int] = None
@@ -182,8 +182,10 @@ class ResumableSampler(Sampler):
     @override
     def __iter__(self) -> Iterator[int]:
         skip, self._skip = self._skip, 0
-        indices = _substituted(iter(self.sampler), self.excluded) if self.excluded else iter(
-            self.sampler)
+        leaving_out = getattr(self.sampler, 'leaving_out', None)  # a layout's, per virtual rank
+        indices = iter(self.sampler) if not self.excluded else (
+            leaving_out(self.excluded) if leaving_out is not None
+            else substituted(iter(self.sampler), self.excluded))
         for _ in range(skip):  # index arithmetic only: nothing is loaded
             next(indices, None)
         for position, index in enumerate(indices, start=skip):

@@ -25,6 +25,7 @@ from torch.utils.data import BatchSampler, DataLoader, Sampler
 from typing_extensions import override
 
 from ..engine.virtual_ranks import MicroBatches
+from .order import substituted
 
 
 class VirtualIndex(int):
@@ -86,11 +87,18 @@ class VirtualRanksSampler(Sampler):
 
     @override
     def __iter__(self) -> Iterator[int]:
+        return self.leaving_out(frozenset())
+
+    def leaving_out(self, excluded: frozenset[int]) -> Iterator[int]:
+        """A pass with the ``excluded`` dataset indices left out of each virtual rank's own
+        pass, as that rank of the N-rank run leaves them out of its (``order.py``'s
+        substitution, per virtual rank)."""
         epoch = getattr(self.sampler, 'epoch', None)
         for rank in self.ranks:
             if epoch is not None:
                 rank.epoch = epoch  # type: ignore[attr-defined]
-        streams = [iter(rank) for rank in self.ranks]
+        streams = [substituted(iter(rank), excluded) if excluded else iter(rank)
+                   for rank in self.ranks]
         position = 0
         while True:
             chunks = [[next(stream, None) for _ in range(self.batch_size)]

@@ -5,7 +5,9 @@ ranks and, with ``layout=dict(world_size=4)``, on 2 (a tiny model: 4 CPU process
 deterministic model, a model drawing dropout and noise in its step (each virtual rank its
 own streams), a BatchNorm model (each virtual rank its own batch statistics and running
 buffers), random transforms in DataLoader workers (each sample seeded as its virtual
-rank's), the epoch-based loop validating after each epoch, ZeRO-0 and ZeRO-2; a layout
+rank's), the epoch-based loop validating after each epoch, ``exclude_samples`` (left out of
+each virtual rank's own pass), ZeRO-0 and ZeRO-2; each virtual rank's batch split in two
+micro-batches (fixed, and ``'auto'`` agreed across ranks); a layout
 run resumed on as many ranks (bit for bit), on fewer and on more. Every parameter and
 buffer of rank 0 within 1e-5, and rank 0's logged losses, of the real and the virtual
 layout.
@@ -36,6 +38,10 @@ MODELS = {
     # loader's iterator (a draw of each virtual rank's streams)
     'epochs': dict(model={'type': 'ToyDropoutModel', 'with_bn': True}, by_epoch=True,
                    max_epochs=2, optimizer={'type': 'SGD', 'lr': 0.1, 'momentum': 0.9}),
+    # each virtual rank leaves them out of its own pass (an excluded index replaced by the
+    # one before it in that rank's pass), as each rank of the N-rank run does
+    'excluded': dict(model={'type': 'ToyModel', 'with_bn': False},
+                     exclude_samples=[0, 1, 2, 3, 5, 8, 13, 21]),
 }
 # A layout run resumed on as many ranks: from inside the first and the second epoch (3
 # iterations an epoch at N=4), bit for bit.
