@@ -83,9 +83,9 @@ def _split(strategy: RunStrategy, loader: DataLoader) -> Split:
     except Exception as e:
         raise ValueError(
             f"layout.micro_batches='auto' chooses the split from `mmengine-deepspeed plan`'s "
-            f'prediction, which cannot trace this model on the meta device ({e}): give the '
-            'number, layout.micro_batches=k (plan on the config shows each micro-batch\'s '
-            'peak).') from e
+            f'prediction on the dataset\'s first batch, which failed here '
+            f'({type(e).__name__}: {e}): give the number, layout.micro_batches=k (plan on the '
+            'config shows each micro-batch\'s peak).') from e
     split = layout.split(batch_size, lambda micro_batch: model.peak_mib(micro_batch)[0],
                          device_memory_mib(local_world_size(strategy.runner.world_size)))
     if not (torch_dist.is_available() and torch_dist.is_initialized()):

@@ -100,6 +100,25 @@ def test_one_rank_raising_ends_the_job_without_an_agent(tmp_path: Any) -> None:
     assert ERROR in rank1 and 'Traceback' in rank1, rank1[-3000:]
 
 
+def test_one_rank_failing_the_split_ends_the_job_in_its_agreement(tmp_path: Any) -> None:
+    """``layout.micro_batches='auto'``: rank 1's prediction raises (a test double) while
+    rank 0 waits in the all-reduce that agrees on the split, no torchrun: rank 1's error
+    names the key and the fix, and rank 0 leaves with PEER_FAILED_EXIT in seconds."""
+    out = str(tmp_path)
+    cfg = dict(env_cfg=DEFAULT_TIMEOUT, max_iters=2, batch_size=2, with_bn=False,
+               layout={'world_size': 2, 'micro_batches': 'auto'})
+    codes, output, elapsed = _launch_without_agent(
+        ['tests/dist/worker.py', out, json.dumps({'name': 'split_fails', 'cfg': cfg,
+                                                  'prediction_on_rank1': 'failing'})],
+        timeout=120)
+    assert elapsed < 60, (elapsed, output[-4000:])
+    assert codes[0] == PEER_FAILED_EXIT and codes[1] == 1, (codes, output[-4000:])
+    rank0, rank1 = output.split('--- rank 1\n')
+    assert "layout.micro_batches='auto' chooses the split" in rank1, rank1[-3000:]
+    assert 'no prediction on rank 1 (a test double)' in rank1, rank1[-3000:]
+    assert '[rank 0] stopping: rank 1 failed' in rank0, rank0[-3000:]
+
+
 def test_cli_restarts_after_a_raise_and_resumes(tmp_path: Any) -> None:
     """``mmengine-deepspeed train --nproc 2 --max-restarts 1``: rank 1 raises at iteration 5
     of the first attempt; both restart, resume from iter_4.pth and finish, and the weights

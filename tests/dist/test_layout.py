@@ -63,7 +63,7 @@ def _scenarios(layout: int | None) -> list[dict]:
     if layout == 4:
         # 'auto' where rank 1's prediction needs micro-batches of 1 (a test double), rank
         # 0's the whole batch: the ranks agree on 2
-        runs.append({'name': 'agreed', 'oversized_on_rank1': True, 'cfg': dict(
+        runs.append({'name': 'agreed', 'prediction_on_rank1': 'oversized', 'cfg': dict(
             split, layout={'world_size': layout, 'micro_batches': 'auto'})})
         runs.append({'name': 'straight', 'cfg': dict(BASE, **RESUMED, **extra)})
         runs += [{'name': f'from{point}', 'cfg': dict(

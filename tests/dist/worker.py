@@ -22,7 +22,7 @@ import os
 import os.path as osp
 import resource
 import signal
-from typing import Any
+from typing import Any, Optional
 
 import deepspeed
 import torch
@@ -159,13 +159,19 @@ class _Oversized:
         return (1.0 if micro_batch == 1 else 1e12), 0.0
 
 
-def _predict_oversized(here: bool) -> None:
-    """``here``: on this rank only, plan predicts that a micro-batch of more than one
-    sample does not fit (a test double of a rank whose prediction differs: another batch
-    shape, less memory), so that ``micro_batches='auto'`` is agreed across ranks; else
-    the real prediction (a previous scenario's double undone)."""
-    RunStrategy.peak_model = (  # type: ignore[method-assign]
-        (lambda self, *args, **kwargs: _Oversized()) if here else _PEAK_MODEL)
+def _prediction_double(kind: Optional[str]) -> None:
+    """A test double of plan's prediction on this rank only (a rank whose prediction
+    differs: another batch shape, less memory): ``'oversized'``, a micro-batch of more than
+    one sample does not fit, so that ``micro_batches='auto'`` is agreed across ranks;
+    ``'failing'``, the prediction raises, while the other ranks wait in that agreement;
+    None: the real prediction (a previous scenario's double undone)."""
+
+    def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError('no prediction on rank 1 (a test double)')
+
+    RunStrategy.peak_model = {  # type: ignore[method-assign]
+        'oversized': lambda self, *args, **kwargs: _Oversized(), 'failing': failing,
+        None: _PEAK_MODEL}[kind]
 
 
 def run(out_dir: str, scenario: dict) -> None:
@@ -177,7 +183,8 @@ def run(out_dir: str, scenario: dict) -> None:
     if 'kill_rank1_at_iter' in scenario and os.environ.get('TORCHELASTIC_RESTART_COUNT') in (
             None, '0'):  # the first attempt dies; a restart by the elastic agent does not
         _kill_rank1_during_save_at(scenario['kill_rank1_at_iter'], runner_box)
-    _predict_oversized(bool(scenario.get('oversized_on_rank1')) and os.environ['RANK'] == '1')
+    _prediction_double(scenario.get('prediction_on_rank1') if os.environ['RANK'] == '1'
+                       else None)
     cfg = toy_config(scenario.get('work_dir', osp.join(out_dir, name)), **scenario.get('cfg', {}))
     # Runners built in the same second would share MessageHub's history
     # (docs/troubleshooting.md, Known limits).
