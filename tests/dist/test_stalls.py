@@ -5,7 +5,8 @@ interval 10), device synchronizes, host reads of tensor values and
 ``torch.distributed`` collectives, by issuer. This package and MMEngine together
 stay within 0.3 host reads, 0.1 collectives and no synchronize per iteration, at
 every ZeRO stage, with one optimizer and several (a GAN), with EMAHook, under a layout
-(virtual ranks' streams and buffers switched per micro-step); DeepSpeed
+(virtual ranks' streams and buffers switched per micro-step, each one's batch split);
+DeepSpeed
 issues no synchronize unless the ds_config asks for its timers.
 
 ZeRO-0 in fp32 is where this package itself skips non-finite updates
@@ -52,9 +53,10 @@ SCENARIOS: list[dict[str, Any]] = [
       for s in (0, 3)),
     *({'name': f'ema_z{s}', 'cfg': {'ds_config': zero(s), 'with_bn': False,
                                     'custom_hooks': EMA, **fused(s)}} for s in (0, 3)),
-    # a layout: each virtual rank's streams and BatchNorm buffers switched per micro-step
-    {'name': 'layout_z2', 'cfg': {'ds_config': zero(2), 'with_bn': True,
-                                  'layout': {'world_size': 4}, **fused(2)}},
+    # a layout: each virtual rank's streams and BatchNorm buffers switched per micro-step,
+    # its batch in 2 micro-batches (their logged losses averaged on the device)
+    {'name': 'layout_z2', 'cfg': {'ds_config': zero(2), 'with_bn': True, 'layout': {
+        'world_size': 4, 'micro_batches': 2, 'split_batchnorm': True}, **fused(2)}},
     {'name': 'z0_unfused', 'cfg': {'ds_config': zero(0), 'with_bn': False}},
     # DeepSpeed's timer when asked for: its synchronizes are counted
     {'name': 'timers_z2', 'cfg': {'ds_config': zero(2, timers={'throughput': {
