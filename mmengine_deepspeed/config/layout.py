@@ -121,12 +121,13 @@ class Layout:
         for count in (d for d in range(1, batch_size + 1) if batch_size % d == 0):
             peak = whole if count == 1 else peak_mib(batch_size // count)
             if peak <= budget:
+                part = batch_size // count
                 return Split(count, (
                     f"micro_batches='auto': the whole batch of {batch_size} is predicted at "
                     f'{whole:.0f} MiB per rank, {"within" if count == 1 else "over"} '
-                    f'{budget:.0f} MiB ({source})' + ('' if count == 1 else
-                                                      f'; {batch_size // count} samples at '
-                                                      f'{peak:.0f} MiB fit')))
+                    f'{budget:.0f} MiB ({source})' + ('' if count == 1 else (
+                        f'; {part} samples at {peak:.0f} MiB fit' if part > 1 else
+                        f'; 1 sample at {peak:.0f} MiB fits'))))
         raise ValueError(
             f"layout.micro_batches='auto': even one sample is predicted at "
             f'{peak_mib(1):.0f} MiB per rank, over {budget:.0f} MiB ({source}): raise the '

@@ -42,7 +42,10 @@ def test_a_split_divides_the_batch_and_auto_takes_the_smallest_that_fits() -> No
     assert '12 is predicted at 220 MiB per rank, over 135 MiB (the device' in split.why
     assert '3 samples at 130 MiB fit' in split.why
     assert Layout(8, 'auto').split(12, peak, 1e6).count == 1
-    assert Layout(8, 'auto', memory_gib=0.125).split(12, peak, 1e6).count == 6  # 128 MiB
+    assert Layout(8, 'auto', memory_gib=0.125).split(12, peak, 1e6) == Split(6, (
+        "micro_batches='auto': the whole batch of 12 is predicted at 220 MiB per rank, over "
+        '128 MiB (layout.memory_gib); 2 samples at 120 MiB fit'))
+    assert Layout(8, 'auto').split(12, peak, 111.0).why.endswith('; 1 sample at 110 MiB fits')
     with pytest.raises(ValueError, match=r'even one sample is predicted at 110 MiB.*plan'):
         Layout(8, 'auto').split(12, peak, 50.0)
 
