@@ -69,7 +69,7 @@ def train(tmp_path: Any, roots: dict[str, str], name: str, stage: int) -> str:
     work_dir = osp.join(str(tmp_path), 'work')
     proc = run_torchrun(
         [train_script(library), config, '--launcher', 'pytorch', '--work-dir', work_dir,
-         '--cfg-options', f'ds_config.zero_optimization.stage={stage}'],
+         '--cfg-options', f'ds_config.zero_optimization.stage={stage}', 'randomness.seed=0'],
         nproc=2, timeout=600)
     assert proc.returncode == 0, proc.stdout[-10000:]
     shutil.rmtree(work_dir)  # its checkpoints (up to 0.7 GB a run): the log is in stdout
