@@ -208,7 +208,7 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
     for stage, offload_opt, offload_param in ROWS:
         zeros = {name: _row_zero(ds, stage, offload_opt, offload_param, model)
                  for name, ds in specs.configs().items()}
-        row = _RowModel(engines, zeros, activations, MemoryLayout(
+        row = PeakModel(engines, zeros, activations, MemoryLayout(
             stage, offload_opt, offload_param, compute_bytes, ranks, micro_batch, cuda,
             fills_empty(cfg)),
             fixed, nproc)
@@ -241,7 +241,7 @@ def make_plan(cfg: Config, nproc: int = 1, nnodes: int = 1,
     return plan
 
 
-# What a row's peak is made of (:meth:`_RowModel.parts`), in a word each: the model states
+# What a row's peak is made of (:meth:`PeakModel.parts`), in a word each: the model states
 # held all step (parameters, master weights, optimizer states, flat gradient partitions), the
 # step's own buffers (buckets, gathered layers, gradients), the activations saved for
 # backward, on the CPU what is offloaded to the same memory, what glibc's heap keeps
@@ -258,7 +258,7 @@ def why_more(parts: dict[str, float], reference: dict[str, float]) -> str:
 
 
 @dataclass
-class _RowModel:
+class PeakModel:
     """One row's bytes as a function of the micro-batch."""
 
     engines: list[EngineCensus]
@@ -313,7 +313,7 @@ class _RowModel:
 
 def peak_model(cfg: Config, specs: EngineSpecs, ranks: int, nproc: int, batch: Any,
                samples: int, fixed_mib: float,
-               measured: Optional[tuple[nn.Module, tuple[int, int]]] = None) -> _RowModel:
+               measured: Optional[tuple[nn.Module, tuple[int, int]]] = None) -> PeakModel:
     """The plan's model of a run's peak per rank as a function of its micro-batch: the
     training banner's prediction, and what ``layout.micro_batches='auto'`` fits.
 
@@ -352,7 +352,7 @@ def peak_model(cfg: Config, specs: EngineSpecs, ranks: int, nproc: int, batch: A
 
 def _configured_row(cfg: Config, specs: EngineSpecs, engines: list[EngineCensus],
                     activations: Activations, ranks: int, nproc: int, fixed_mib: float,
-                    micro_batch: int) -> _RowModel:
+                    micro_batch: int) -> PeakModel:
     """The row of the ZeRO stage and offload the config's ds_config names."""
     offload_optimizer, offload_param = offload_devices(specs.process_config(
         'zero_optimization.offload_optimizer', 'zero_optimization.offload_param'))
@@ -360,7 +360,7 @@ def _configured_row(cfg: Config, specs: EngineSpecs, engines: list[EngineCensus]
                           offload_param is not None, 4 if specs.precision == 'fp32' else 2,
                           ranks, micro_batch, cuda_available(), fills_empty(cfg))
     zeros = {name: ds.get('zero_optimization') or {} for name, ds in specs.configs().items()}
-    return _RowModel(engines, zeros, activations, layout, fixed_mib, nproc)
+    return PeakModel(engines, zeros, activations, layout, fixed_mib, nproc)
 
 
 def construction_mib(engines: list[EngineCensus], stage: int, ranks: int, cuda: bool,

@@ -47,7 +47,7 @@ from ..engine.spec import (
 from ..engine.virtual_ranks import MicroBatches, VirtualRanks
 from ..engine.wrapper import DeepSpeedEngineWrapper, overrides
 from ..plan.census import import_scope
-from ..plan.planner import peak_model
+from ..plan.planner import PeakModel, peak_model
 from ..process_memory import rss_mib
 from ..random_streams import rng_state, set_rng_state
 from ..zero.gather import gather_on_use
@@ -364,7 +364,7 @@ class RunStrategy:
         return self.peak_model(data_batch, micro_batch, saved).peak_mib(micro_batch)[0]
 
     def peak_model(self, data_batch: Any, samples: int,
-                   saved: Optional[tuple[int, int]] = None) -> Any:
+                   saved: Optional[tuple[int, int]] = None) -> PeakModel:
         """``plan``'s model of this run's peak per rank by micro-batch (``peak_mib``).
 
         Traced on a meta-device copy of the config's model with a copy of ``data_batch``
