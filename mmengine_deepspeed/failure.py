@@ -57,6 +57,7 @@ class _Channel:
     """This rank's view of the job's failure key: publish, watch, acknowledge."""
 
     def __init__(self, prefix: str, rank: int, world_size: int):
+        self.prefix = prefix
         self.key, self.ack_key = f'{prefix}failure', f'{prefix}failure_seen'
         self.exited_key = f'{prefix}failure_exiting'
         self.rank, self.world_size = rank, world_size
@@ -130,6 +131,20 @@ class _Channel:
                 time.sleep(POLL_S / 5)
         except Exception as e:  # the store is gone: the launcher is already ending the job
             logger.debug(f'Could not publish the failure of rank {self.rank}: {e}')
+
+    def flagged(self, name: str, flag: bool, seconds: float) -> list[int]:
+        """The ranks whose ``flag`` is set in the agreement ``name`` (see
+        :func:`flagged_ranks`)."""
+        base = f'{self.prefix}agreement/{name}/'
+        keys = [f'{base}{rank}' for rank in range(self.world_size)]
+        store = self._client(datetime.timedelta(seconds=seconds))
+        store.set(keys[self.rank], '1' if flag else '0')
+        try:
+            store.wait(keys)
+        except torch_dist.DistStoreError as e:
+            raise TimeoutError(f'Not every rank reached the agreement {name!r} within '
+                               f'{seconds:.0f} s.') from e
+        return [rank for rank, value in enumerate(store.multi_get(keys)) if value == b'1']
 
     def close(self) -> None:
         """Stop watching (a clean exit, or the process group's teardown); a rank whose
@@ -206,6 +221,31 @@ def report_failure(error: BaseException) -> None:
     """Publish ``error`` as this rank's failure (the first one published wins)."""
     if _channel:
         _channel[0].publish(error)
+
+
+def flagged_ranks(name: str, flag: bool, rank: int, seconds: float) -> list[int]:
+    """Every rank's answer to one question (``flag``), agreed through the rendezvous store:
+    the ranks that said yes, the same list on every rank.
+
+    For an agreement that a rank may join from an error path (an out-of-memory error in
+    its forward) while its peers may be inside a collective that it will never reach (a
+    model's own all-reduce in its loss): a collective would wait for the process group's
+    timeout there; this waits ``seconds`` at most, then raises, and the raising rank's
+    failure ends every rank. One store round trip each: for set-up and trial iterations,
+    not for every iteration.
+
+    Args:
+        name (str): The agreement, unique in the job (each rank asks the same in turn).
+        flag (bool): This rank's answer.
+        rank (int): This rank (the answer of a single process is its own).
+        seconds (float): How long to wait for every rank's answer.
+
+    Raises:
+        TimeoutError: A rank did not answer within ``seconds``.
+    """
+    if not _channel:
+        return [rank] if flag else []
+    return _channel[0].flagged(name, flag, seconds)
 
 
 def rank_failed() -> bool:

@@ -24,6 +24,7 @@ from .deepspeed_names import (
     SKIP_BROADCAST_MARK,
     backward_prologue,
     clipped_global_grad_norm,
+    end_interrupted_backward,
     full_numel,
     full_shape,
     gather_whole,
@@ -42,6 +43,7 @@ from .deepspeed_names import (
 from .mmengine_names import (
     InfiniteDataloaderIterator,
     accumulative_counts,
+    backward_counts,
     call_with_hooks,
     count_backward,
     diff_rank_seed,
@@ -52,6 +54,7 @@ from .mmengine_names import (
     route_from_cfg_to,
     save_with_checkpoint_hook,
     scalar_histories,
+    set_backward_counts,
     set_experiment_name,
     set_loop_position,
 )
@@ -78,6 +81,7 @@ __all__ = [
     'TorchDispatchMode',
     'accumulative_counts',
     'autograd_sequence_number',
+    'backward_counts',
     'backward_prologue',
     'call_with_hooks',
     'check_upstream',
@@ -87,6 +91,7 @@ __all__ = [
     'diff_rank_seed',
     'dynamo_counts',
     'ema_started',
+    'end_interrupted_backward',
     'found_inf_supported',
     'full_numel',
     'full_shape',
@@ -109,6 +114,7 @@ __all__ = [
     'route_from_cfg_to',
     'save_with_checkpoint_hook',
     'scalar_histories',
+    'set_backward_counts',
     'set_experiment_name',
     'set_full_shape',
     'set_loop_position',
@@ -175,6 +181,9 @@ PRIVATE_NAMES: tuple[tuple[str, Optional[str], str, str], ...] = (
      'release_and_reset_all',
      'undocumented: a ZeRO-3 model updating its own averaged copy waits for the prefetches '
      'in flight and releases both copies first (tests/dist/test_in_step.py)'),
+    ('deepspeed.runtime.base_optimizer', 'ZeROOptimizer', '_backward_active_depth',
+     'an interrupted backward left, for a retried iteration (engine/split_retry.py; '
+     'tests/dist/test_layout.py out-of-memory cases)'),
     ('torch.autograd.graph', 'Node', '_sequence_nr',
      'the same-parameters check walks the graph again only when its size changed '
      '(tests/unit/test_compat/)'),

@@ -16,6 +16,21 @@ def backward_prologue(engine: Any) -> None:
     engine._backward_prologue()
 
 
+def end_interrupted_backward(optimizer: Any) -> None:
+    """Leave the backward that a ZeRO optimizer entered and an error interrupted.
+
+    ``engine.backward`` enters the optimizer's backward and leaves it only when the backward
+    completes (``_backward_active_depth``, no public reader), so an error inside one (an
+    out-of-memory error that ``engine/split_retry.py`` retries) would leave every later
+    backward a level deeper. Pinned by tests/dist/test_layout.py's out-of-memory cases.
+    """
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    if isinstance(optimizer, ZeROOptimizer):
+        while optimizer._backward_active_depth > 0:
+            optimizer.exit_backward()
+
+
 def release_process_group_references() -> None:
     """Drop DeepSpeed's cached process groups of a destroyed world.
 

@@ -22,6 +22,23 @@ def count_backward(wrapper: Any) -> None:
     wrapper._inner_count += 1
 
 
+def backward_counts(wrapper: Any) -> tuple[int, int]:
+    """An ``OptimWrapper``'s backwards counted so far and in all (``_inner_count``,
+    ``_max_counts``: what its accumulation boundaries and loss scale read; no public
+    accessor). Pinned by tests/unit/test_compat.py."""
+    return int(wrapper._inner_count), int(wrapper._max_counts)
+
+
+def set_backward_counts(wrapper: Any, accumulative: int, counted: int, maximum: int) -> None:
+    """Set what ``OptimWrapper.initialize_count_status`` sets (its accumulation, the
+    backwards counted and in all, the last window's remainder), without its warnings: for
+    a count changed mid-run (an iteration made of more micro-steps). Pinned by
+    tests/unit/test_compat.py."""
+    wrapper._accumulative_counts = accumulative
+    wrapper._inner_count, wrapper._max_counts = counted, maximum
+    wrapper._remainder_counts = maximum % accumulative
+
+
 def found_inf_supported(optimizer: Any) -> bool:
     """Whether ``optimizer.step()`` skips on the device when given ``found_inf``: torch's
     fused optimizers, which set ``_step_supports_amp_scaling`` (read by

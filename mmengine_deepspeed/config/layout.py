@@ -135,6 +135,14 @@ class Layout:
             'launch on more ranks.')
 
 
+def finer(batch_size: int, count: int) -> Optional[int]:
+    """The next split of a per-GPU batch of ``batch_size`` samples after ``count``
+    micro-batches: each micro-batch in the fewest equal parts (its size's smallest factor
+    above 1), so that the micro-batches already collated split again; None at one sample."""
+    part = batch_size // count
+    return next((count * d for d in range(2, part + 1) if part % d == 0), None)
+
+
 def _positive_int(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 

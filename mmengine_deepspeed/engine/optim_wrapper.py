@@ -33,7 +33,14 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ..compat import backward_prologue, count_backward
+from ..compat import (
+    accumulative_counts,
+    backward_counts,
+    backward_prologue,
+    count_backward,
+    end_interrupted_backward,
+    set_backward_counts,
+)
 from ..zero.unused_params import UsedParameters, with_every_parameter
 from .nonfinite import StepCheck, guard_loss
 
@@ -98,6 +105,46 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         self._fp16 = engine.fp16_enabled()
         self._own_norm = clip_max_norm > 0 and not (
             engine.zero_optimization() or self._fp16 or engine.bfloat16_enabled())
+        # hold_step(): the boundary's reduction and update wait (engine/split_retry.py)
+        self._holding = False
+        self._held: Optional[dict] = None  # the held update's step kwargs
+
+    def hold_step(self) -> None:
+        """Until :meth:`release_step` or :meth:`drop_step`, the accumulation boundary's
+        reduction and update wait: its backward runs as a non-boundary one (under ZeRO-0/1
+        nothing reduces then) and its ``step`` is kept. For an iteration that every rank
+        must first agree ran (``engine/split_retry.py``)."""
+        self._holding, self._held = True, None
+
+    def release_step(self) -> None:
+        """Reduce and update as the held boundary would have (nothing if the iteration
+        had none): ``engine.allreduce_gradients`` at the boundary is what the boundary's
+        backward runs."""
+        held, self._holding, self._held = self._held, False, None
+        if held is None:
+            return
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.allreduce_gradients()
+        self.step(**held)
+
+    def drop_step(self, counted: int) -> None:
+        """Drop the gradients accumulated since the held iteration began (the first of an
+        accumulation window: there are no others) and count backwards from ``counted``
+        again, as before it."""
+        self._holding, self._held = False, None
+        end_interrupted_backward(self.engine.optimizer)
+        self.zero_grad()
+        set_backward_counts(self, accumulative_counts(self), counted, backward_counts(self)[1])
+
+    def set_micro_steps(self, micro_steps: int) -> None:
+        """Count ``micro_steps`` backwards per iteration from now on (between iterations:
+        a batch split into more micro-batches, ``engine/split_retry.py``): MMEngine's
+        counts, kept in backwards, stand for the same iterations."""
+        counted, maximum = backward_counts(self)
+        per, self.micro_steps = self.micro_steps, micro_steps
+        set_backward_counts(self, accumulative_counts(self) // per * micro_steps,
+                            counted // per * micro_steps,
+                            maximum // per * micro_steps if maximum > 0 else maximum)
 
     @override
     def initialize_count_status(self, model: nn.Module, init_counts: int,
@@ -142,8 +189,11 @@ class DeepSpeedOptimWrapper(OptimWrapper):
             raise TypeError('DeepSpeedOptimWrapper.backward() got unsupported '
                             f'{sorted(set(kwargs) - {"retain_graph"})}.')
         # should_sync() answers "does this backward end an accumulation
-        # window", MMEngine's rule; the engine reduces and steps on it.
-        self.engine.set_gradient_accumulation_boundary(self.should_sync())
+        # window", MMEngine's rule; the engine reduces and steps on it (unless held).
+        boundary = self.should_sync()
+        self.engine.set_gradient_accumulation_boundary(boundary and not self._holding)
+        if boundary and self._holding:
+            self._held = {}
         retain_graph = kwargs.get('retain_graph', False)
         loss = guard_loss(loss)
         if self.find_unused_parameters:
@@ -171,6 +221,9 @@ class DeepSpeedOptimWrapper(OptimWrapper):
         Args:
             **kwargs: Passed to ``engine.step`` (``lr_kwargs``).
         """
+        if self._held is not None and self._holding:  # the held boundary's: kept
+            self._held = kwargs
+            return
         if not self.engine.is_gradient_accumulation_boundary():
             self.engine.step(**kwargs)
             return

@@ -92,6 +92,26 @@ class VirtualRanks:
             self._switch(at, 0)
         return first
 
+    def kept(self) -> list[tuple[RawStreams, list[torch.Tensor]]]:
+        """Every virtual rank's streams and buffers as they are between iterations, copied:
+        what :meth:`put_back` restores (an iteration retried from its start)."""
+        self.begin()
+        assert self._slots is not None
+        live = (raw_streams(), self._buffers)  # between iterations the first's are live
+        return [(streams, [b.detach().clone() for b in buffers])
+                for streams, buffers in (live, *self._slots[1:])]
+
+    def put_back(self, kept: list[tuple[RawStreams, list[torch.Tensor]]]) -> None:
+        """Every virtual rank's streams and buffers as :meth:`kept` copied them (still
+        usable again)."""
+        assert self._slots is not None, 'kept() starts the virtual ranks'
+        (streams, buffers), *others = kept
+        set_raw_streams(streams)
+        if self._buffers:
+            with torch.no_grad():
+                torch._foreach_copy_(self._buffers, buffers)  # (see _switch)
+        self._slots[1:] = [(raw, [b.clone() for b in own]) for raw, own in others]
+
     def new_loader_iterator(self) -> None:
         """Make the other virtual ranks draw what this rank drew creating a DataLoader
         iterator (the training loader's each epoch, the validation loader's each

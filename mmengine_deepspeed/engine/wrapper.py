@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from ..zero.gather import whole_copy
 from ..zero.released_guard import ReleasedGuard
+from .split_retry import SplitRetry
 from .virtual_ranks import MicroBatches, VirtualRanks
 
 Data = Union[dict, tuple, list]
@@ -96,6 +97,8 @@ class DeepSpeedEngineWrapper(nn.Module):
     _own_steps: dict[str, bool]
     # a layout's virtual ranks on this rank (config/layout.py), set with the engines
     virtual_ranks: Optional[VirtualRanks] = None
+    # its retry of an 'auto' split on an out-of-memory error (engine/split_retry.py)
+    split_retry: Optional[SplitRetry] = None
 
     def __init__(self, engines: Mapping[str, DeepSpeedEngine],
                  cast_dtype: Optional[torch.dtype] = None, model: Optional[nn.Module] = None):
@@ -190,6 +193,8 @@ class DeepSpeedEngineWrapper(nn.Module):
             batch = module.data_preprocessor(data, True)
             losses = self._run_forward(batch, mode='loss')
         parsed_losses, log_vars = module.parse_losses(losses)
+        if self.split_retry is not None:
+            self.split_retry.before_backward()
         optim_wrapper.update_params(parsed_losses)
         return log_vars
 
@@ -197,7 +202,15 @@ class DeepSpeedEngineWrapper(nn.Module):
                      optim_wrapper: OptimWrapper) -> dict[str, torch.Tensor]:
         """One iteration of a layout: each virtual rank's micro-batches micro-steps, under
         its own random streams and buffers; the log shows the first's (rank 0's, in the
-        N-rank run's log: over its micro-batches, the mean)."""
+        N-rank run's log: over its micro-batches, the mean). Under an 'auto' split's
+        retry, tried first (:class:`SplitRetry`)."""
+        if self.split_retry is not None:
+            return self.split_retry.run(
+                batches, lambda pieces: self._in_turn(pieces, optim_wrapper))
+        return self._in_turn(batches, optim_wrapper)
+
+    def _in_turn(self, batches: MicroBatches,
+                 optim_wrapper: OptimWrapper) -> dict[str, torch.Tensor]:
         virtual = self.virtual_ranks
         if virtual is None or len(batches) != virtual.micro_steps:
             raise RuntimeError(f'{len(batches)} micro-batches reached a model set up for '

@@ -7,7 +7,7 @@ ranks (the largest: every rank must run as many micro-steps).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 import torch.distributed as torch_dist
@@ -17,6 +17,9 @@ from torch.utils.data import DataLoader
 from ..compat import diff_rank_seed
 from ..config.layout import AUTO, Split
 from ..dist import cpu_group, local_world_size
+from ..engine.collated import containers_of
+from ..engine.optim_wrapper import DeepSpeedOptimWrapper
+from ..engine.split_retry import SplitRetry, retry_refusal
 from ..engine.virtual_ranks import VirtualRanks
 from ..engine.wrapper import overrides
 from ..plan.planner import device_memory_mib
@@ -97,12 +100,41 @@ def _split(strategy: RunStrategy, loader: DataLoader) -> Split:
         count, f'{split.why}; {count} micro-batches, another rank\'s need')
 
 
+def split_retry(strategy: RunStrategy, virtual: VirtualRanks) -> Optional[SplitRetry]:
+    """The retry of an ``'auto'`` split when a rank runs out of memory
+    (``engine/split_retry.py``), where this run can retry (logged once, either way)."""
+    layout, runner = strategy.layout, strategy.runner
+    if layout is None or layout.micro_batches != AUTO:
+        return None
+    (engine,) = strategy.engines().values()  # a layout has one (several are refused)
+    loader = runner.train_dataloader
+    refusal = retry_refusal(engine, strategy.train_collate)
+    if refusal is not None:
+        runner.logger.info(
+            f"layout: micro_batches='auto' cannot retry an iteration that runs out of "
+            f'memory in this run ({refusal}): if the prediction falls short, the run fails '
+            'as with a fixed split.')
+        return None
+    runner.logger.info(
+        "layout: micro_batches='auto' retries the first iterations in more micro-batches "
+        'if any rank runs out of memory, every rank together.')
+    (sample,) = _first_samples(loader, 1)
+    return SplitRetry(virtual, engine, cast(DeepSpeedOptimWrapper, runner.optim_wrapper),
+                      int(loader.batch_size or 1), containers_of(sample), runner.rank,
+                      runner.logger)
+
+
 def _first_batch(loader: DataLoader, samples: int) -> Any:
     """The dataset's first ``samples`` samples, collated as the loader does: what ``plan``
-    traces. The process's random streams are left as they were (a random transform in
-    this process draws from them)."""
+    traces."""
+    return loader.collate_fn(_first_samples(loader, samples))
+
+
+def _first_samples(loader: DataLoader, samples: int) -> list[Any]:
+    """The dataset's first ``samples`` samples. The process's random streams are left as
+    they were (a random transform in this process draws from them)."""
     streams = raw_streams()
     try:
-        return loader.collate_fn([loader.dataset[index] for index in range(samples)])
+        return [loader.dataset[index] for index in range(samples)]
     finally:
         set_raw_streams(streams)

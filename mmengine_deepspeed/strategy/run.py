@@ -55,7 +55,7 @@ from ..zero.in_step import hooks_update_on_whole_tensors
 from ..zero.partitioned import build_advice, built_partitioned
 from .agreement import Agreement, logging_interval
 from .checkpoints import checkpoint_parts
-from .layout import layout_virtual_ranks
+from .layout import layout_virtual_ranks, split_retry
 
 
 class RunStrategy:
@@ -82,6 +82,8 @@ class RunStrategy:
         self.runner = runner
         self.layout = layout
         self.virtual_ranks: Optional[VirtualRanks] = None  # a layout's, once set up
+        # the train loader's own collate_fn, before the layout wraps it (split_retry's)
+        self.train_collate: Optional[Callable[..., Any]] = None
         self.specs = specs
         self.allow_unsafe_checkpoints = allow_unsafe_checkpoints
         self.zero_init = zero_init
@@ -241,7 +243,10 @@ class RunStrategy:
         runner.optim_wrapper = wrap_optimizers(
             self.specs, self.find_unused_parameters,
             own_train_step=overrides(self.bare_model, 'train_step'), micro_steps=micro_steps)
-        cast(DeepSpeedEngineWrapper, runner.model).virtual_ranks = virtual
+        model = cast(DeepSpeedEngineWrapper, runner.model)
+        model.virtual_ranks = virtual
+        if virtual is not None:
+            model.split_retry = split_retry(self, virtual)
 
     def start_virtual_ranks(self, loader: Any) -> VirtualRanks:
         """This rank's virtual ranks (a layout's: the train loop's ``loader`` gives their
@@ -249,6 +254,7 @@ class RunStrategy:
         (``strategy/layout.py``)."""
         if self.virtual_ranks is None:
             self.virtual_ranks = layout_virtual_ranks(self, loader)
+            self.train_collate = loader.collate_fn
         return self.virtual_ranks
 
     def ensure_engine(self) -> None:

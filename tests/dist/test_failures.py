@@ -119,6 +119,48 @@ def test_one_rank_failing_the_split_ends_the_job_in_its_agreement(tmp_path: Any)
     assert '[rank 0] stopping: rank 1 failed' in rank0, rank0[-3000:]
 
 
+SPLIT_AUTO = dict(env_cfg=DEFAULT_TIMEOUT, max_iters=2, batch_size=2, with_bn=False,
+                  layout={'world_size': 2, 'micro_batches': 'auto'})
+
+
+def test_out_of_memory_at_one_sample_ends_every_rank_with_the_fix(tmp_path: Any) -> None:
+    """``micro_batches='auto'``: rank 1 runs out of memory at every forward (a test double
+    of CUDA's error): every rank retries in micro-batches of 1, it runs out again, and
+    every rank raises the error that says what to change, in seconds."""
+    out = str(tmp_path)
+    codes, output, elapsed = _launch_without_agent(
+        ['tests/dist/worker.py', out, json.dumps({
+            'name': 'never_fits', 'cfg': SPLIT_AUTO, 'out_of_memory_on_rank1': {'at': 'every'}})],
+        timeout=120)
+    assert elapsed < 60, (elapsed, output[-4000:])
+    assert codes[0] != 0 and codes[1] != 0, (codes, output[-4000:])
+    rank0, rank1 = output.split('--- rank 1\n')
+    assert 'rank 1 ran out of memory with each virtual rank\'s batch of 2 in 1 micro-batch' \
+        in rank0, rank0[-3000:]
+    assert "layout.micro_batches='auto': rank 1 ran out of memory at one sample per " \
+        'micro-batch: raise the ZeRO stage or offload' in rank1, rank1[-3000:]
+
+
+def test_out_of_memory_before_a_models_collective_ends_every_rank(tmp_path: Any) -> None:
+    """Rank 1 runs out of memory (a test double) before the all-reduce its model's forward
+    runs, where rank 0 waits: rank 1 waits for the retry's agreement a bounded time (3 s
+    here), then fails with its error and why it was not retried; rank 0 leaves with
+    PEER_FAILED_EXIT. Without the bound both would wait for the 30-minute timeout."""
+    out = str(tmp_path)
+    codes, output, elapsed = _launch_without_agent(
+        ['tests/dist/worker.py', out, json.dumps({
+            'name': 'collective', 'cfg': SPLIT_AUTO, 'collective_in_forward': True,
+            'retry_wait_s': 3, 'out_of_memory_on_rank1': {'at': [1], 'in': 'forward'}})],
+        timeout=120)
+    assert elapsed < 60, (elapsed, output[-4000:])
+    assert codes[0] == PEER_FAILED_EXIT and codes[1] == 1, (codes, output[-4000:])
+    rank0, rank1 = output.split('--- rank 1\n')
+    assert 'torch.OutOfMemoryError: CUDA out of memory (a test double on rank 1) ' \
+        "(layout.micro_batches='auto' would retry" in rank1, rank1[-3000:]
+    assert 'did not reach the agreement within' in rank1, rank1[-3000:]
+    assert '[rank 0] stopping: rank 1 failed' in rank0, rank0[-3000:]
+
+
 def test_cli_restarts_after_a_raise_and_resumes(tmp_path: Any) -> None:
     """``mmengine-deepspeed train --nproc 2 --max-restarts 1``: rank 1 raises at iteration 5
     of the first attempt; both restart, resume from iter_4.pth and finish, and the weights

@@ -50,6 +50,11 @@ RESUMED = dict(MODELS['workers'], checkpoint=EVERY_2, optimizer={'type': 'AdamW'
 POINTS = (2, 4)
 BASE = dict(max_iters=6, batch_size=2, dataset_size=24)
 ADAMW = {'type': 'AdamW', 'lr': 0.01}
+OUT_OF_MEMORY = ('oom_forward', 'oom_backward')
+
+
+def _zero(stage: int) -> dict:
+    return {'zero_optimization': {'stage': stage}}
 
 
 def _scenarios(layout: int | None) -> list[dict]:
@@ -65,6 +70,16 @@ def _scenarios(layout: int | None) -> list[dict]:
         # 0's the whole batch: the ranks agree on 2
         runs.append({'name': 'agreed', 'prediction_on_rank1': 'oversized', 'cfg': dict(
             split, layout={'world_size': layout, 'micro_batches': 'auto'})})
+        # 'auto' predicts that the whole batch of 2 fits; rank 1 runs out of memory (a test
+        # double): in its first forward, and at ZeRO-1 in the second iteration's last
+        # backward (the first virtual rank's gradients accumulated). ZeRO-2 cannot retry.
+        auto = {'world_size': layout, 'micro_batches': 'auto'}
+        runs += [
+            {'name': 'oom_forward', 'cfg': dict(split, layout=auto),
+             'out_of_memory_on_rank1': {'at': [1], 'in': 'forward'}},
+            {'name': 'oom_backward', 'cfg': dict(split, layout=auto, ds_config=_zero(1)),
+             'out_of_memory_on_rank1': {'at': [4], 'in': 'backward'}},
+            {'name': 'auto_zero2', 'cfg': dict(split, layout=auto, ds_config=_zero(2))}]
         runs.append({'name': 'straight', 'cfg': dict(BASE, **RESUMED, **extra)})
         runs += [{'name': f'from{point}', 'cfg': dict(
             BASE, **RESUMED, **extra, resume=True,
@@ -84,8 +99,9 @@ def runs(tmp_path_factory: Any) -> dict[tuple[int, str], dict[str, Any]]:
         results[(world_size, kind)] = {
             s['name']: torch.load(osp.join(out, f'{s["name"]}.rank0.pt')) for s in scenarios}
         if layout == 4:
-            results[(world_size, kind)]['agreed_rank1'] = torch.load(
-                osp.join(out, 'agreed.rank1.pt'))
+            for name in ('agreed', *OUT_OF_MEMORY):
+                results[(world_size, kind)][f'{name}_rank1'] = torch.load(
+                    osp.join(out, f'{name}.rank1.pt'))
         if layout == 4:  # the same run resumed on 1 and on 4 ranks
             checkpoint = osp.join(out, 'straight', f'iter_{POINTS[-1]}.pth')
             for other in (1, 4):
@@ -161,3 +177,30 @@ def test_auto_micro_batches_are_agreed_across_ranks(runs: Any) -> None:
     assert runs[(4, 'virtual')]['agreed_rank1']['split'] == 2
     diffs = {k: (agreed['state'][k] - v).abs().max().item() for k, v in real['state'].items()}
     assert max(diffs.values()) <= 1e-5, diffs
+
+
+def test_an_out_of_memory_error_on_one_rank_is_retried_by_every_rank(runs: Any) -> None:
+    """``micro_batches='auto'`` predicts that the batch of 2 fits; rank 1 alone runs out of
+    memory (a test double of CUDA's ``torch.OutOfMemoryError``: the CPU raises none, the
+    OS ends the process). Every rank drops the iteration, splits each batch in 2 and runs
+    it again, with no hang. Out of memory in the first forward: the numbers of
+    ``micro_batches=2`` from the start, bit for bit. At ZeRO-1, in the second iteration's
+    last backward (the first virtual rank's gradients already accumulated, the reduction
+    held): the 4-rank run's numbers, and the ZeRO optimizer's interrupted backward left
+    (``_backward_active_depth``, compat.end_interrupted_backward)."""
+    virtual = runs[(4, 'virtual')]
+    for name in OUT_OF_MEMORY:
+        for result in (virtual[name], virtual[f'{name}_rank1']):
+            assert (result['split'], result['micro_batch'], result['accumulation']) == \
+                (2, 1, 4) and result['retries'], name
+        assert virtual[f'{name}_rank1']['out_of_memory_raised'] == 1, name
+    fixed, retried = virtual['split'], virtual['oom_forward']
+    assert all(torch.equal(retried['state'][k], v) for k, v in fixed['state'].items())
+    assert retried['losses'] == fixed['losses']
+    real, late = runs[(4, 'real')]['plain'], virtual['oom_backward']
+    diffs = {k: (late['state'][k] - v).abs().max().item() for k, v in real['state'].items()}
+    assert max(diffs.values()) <= 1e-5, diffs
+    assert late['losses'] == pytest.approx(real['losses'], abs=1e-5)
+    assert late['stage'] == 1 and virtual['oom_backward_rank1']['backward_depth'] == 0
+    # ZeRO-2 reduces inside each backward: no retry, the predicted split kept
+    assert not virtual['auto_zero2']['retries'] and virtual['auto_zero2']['split'] == 1

@@ -138,6 +138,25 @@ def test_a_counted_backward_moves_mmengines_accumulation_boundary() -> None:
     assert wrapper.should_update()
 
 
+def test_backward_counts_set_mid_run_move_mmengines_boundaries() -> None:
+    """engine/split_retry.py recounts an OptimWrapper's backwards when an iteration becomes
+    more micro-steps (compat.backward_counts / set_backward_counts, MMEngine's private
+    counts): its boundaries and loss scale must follow, the last window's too."""
+    from mmengine.optim import OptimWrapper
+
+    model = torch.nn.Linear(2, 2)
+    wrapper = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), accumulative_counts=2)
+    wrapper.initialize_count_status(model, 2, 7)
+    assert compat.backward_counts(wrapper) == (2, 7)
+    compat.set_backward_counts(wrapper, 4, 4, 14)  # each backward now two
+    assert compat.backward_counts(wrapper) == (4, 14)
+    assert compat.accumulative_counts(wrapper) == 4
+    assert [wrapper.should_sync() or compat.count_backward(wrapper) for _ in range(3)] == \
+        [None, None, None] and wrapper.should_sync()  # the 4th backward ends the window
+    compat.set_backward_counts(wrapper, 4, 12, 14)
+    assert wrapper.scale_loss(torch.tensor(2.0)).item() == 1.0  # the short last window: 2
+
+
 def test_a_fused_optimizer_given_found_inf_leaves_parameters_and_state_unchanged() -> None:
     """engine/nonfinite.py skips a non-finite ZeRO-0 fp32 update on the device through
     ``found_inf``, which torch's fused optimizers honour (``_step_supports_amp_scaling``,

@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from mmengine_deepspeed.config.layout import Layout, Split
+from mmengine_deepspeed.config.layout import Layout, Split, finer
 from tests.helpers import model_state, recorder, toy_config
 
 
@@ -107,3 +107,12 @@ def test_splitting_a_batchnorm_model_needs_its_opt_in(tmp_path: Any) -> None:
                                           layout=dict(layout, split_batchnorm=True)))
     runner.train()
     assert runner.strategy.virtual_ranks.split == 2  # type: ignore[union-attr]
+
+
+def test_a_split_made_finer_splits_each_micro_batch_in_the_fewest_parts() -> None:
+    """After an out-of-memory error each micro-batch already collated splits again: into
+    its size's smallest factor, so 8 goes 1 -> 2 -> 4 -> 8, 6 goes 1 -> 2 -> 6 (3 does not
+    split the micro-batches of 3 that 2 made), and one sample goes nowhere."""
+    assert [finer(8, k) for k in (1, 2, 4, 8)] == [2, 4, 8, None]
+    assert [finer(6, k) for k in (1, 2, 3)] == [2, 6, 6]
+    assert finer(9, 1) == 3 and finer(1, 1) is None

@@ -130,3 +130,27 @@ def test_a_split_batch_logs_the_mean_of_its_micro_batches() -> None:
                             {'loss': torch.tensor(3.0)}])
     assert list(logged) == ['loss', 'aux']
     assert logged['loss'].item() == 2.0 and logged['aux'].item() == 4.0
+
+
+def test_virtual_ranks_kept_are_put_back_for_a_retried_iteration() -> None:
+    """Every virtual rank's streams and buffers as an iteration began (kept), put back
+    after it ran: the retried iteration draws and normalises as the first attempt did;
+    what was kept can be put back again (a second retry)."""
+    model = nn.BatchNorm1d(2).train()
+    virtual = VirtualRanks(2, model)
+
+    def step(index: int) -> torch.Tensor:
+        model(torch.randn(4, 2) * 5 + 3)
+        return torch.rand(2)
+
+    virtual.run_in_turn([0, 1], step)  # the virtual ranks have gone apart
+    kept = virtual.kept()
+    first, after_first = virtual.run_in_turn([0, 1], step), virtual.state_dict()
+    virtual.run_in_turn([0, 1], step)  # and on
+    for _ in range(2):
+        virtual.put_back(kept)
+        assert torch.equal(virtual.run_in_turn([0, 1], step), first)
+        state = virtual.state_dict()
+        for got, want in zip(state['ranks'], after_first['ranks']):  # type: ignore[index]
+            assert all(map(torch.equal, got['buffers'], want['buffers']))
+            assert torch.equal(got['streams']['torch'], want['streams']['torch'])
