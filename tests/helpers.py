@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 
 from mmengine_deepspeed.compat import dynamo_counts
 from mmengine_deepspeed.dist import free_port
+from mmengine_deepspeed.engine.wrapper import DeepSpeedEngineWrapper
 from mmengine_deepspeed.strategy import RunStrategy
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -514,3 +515,49 @@ class RecorderHook(Hook):
 def recorder(runner: Any) -> RecorderHook:
     """The runner's RecorderHook."""
     return next(h for h in runner.hooks if isinstance(h, RecorderHook))
+
+
+# the engine wrapper's forward, as the doubles below replace it
+_RUN_FORWARD = DeepSpeedEngineWrapper._run_forward
+OUT_OF_MEMORY_RAISED = [0]  # by forward_doubles, since a run's doubles were installed
+
+
+
+
+def forward_doubles(out_of_memory: Optional[dict], collective: bool) -> None:
+    """Test doubles in the training forward. ``out_of_memory`` (given on rank 1 only):
+    CUDA's allocator running out of memory (on the CPU torch raises no
+    ``torch.OutOfMemoryError``: the OS ends the process): ``{'at': [n, ...], 'in':
+    'forward' | 'backward'}``, the n-th training forward (from 1) of a micro-batch of more
+    than one sample raises it at the end of that forward, or in its backward; ``{'at':
+    'every'}``, every training forward raises it (nothing fits, even one sample).
+    ``collective``: every forward then all-reduces, as a loss averaging its positives over
+    ranks does (MMDetection's ``reduce_mean``). Neither: the real forward (a previous
+    scenario's doubles undone)."""
+    OUT_OF_MEMORY_RAISED[0] = 0
+    if out_of_memory is None and not collective:
+        DeepSpeedEngineWrapper._run_forward = _RUN_FORWARD  # type: ignore[method-assign]
+        return
+    forwards = [0]
+
+    def raise_out_of_memory(*_: Any) -> None:
+        OUT_OF_MEMORY_RAISED[0] += 1
+        raise torch.OutOfMemoryError('CUDA out of memory (a test double on rank 1)')
+
+    def run_forward(self: Any, batch: Any, mode: str) -> Any:
+        losses = _RUN_FORWARD(self, batch, mode)
+        if mode != 'loss':
+            return losses
+        if out_of_memory is not None and out_of_memory['at'] == 'every':
+            raise_out_of_memory()
+        if out_of_memory is not None and len(batch['inputs']) > 1:
+            forwards[0] += 1
+            if forwards[0] in out_of_memory['at']:
+                if out_of_memory['in'] == 'forward':
+                    raise_out_of_memory()
+                losses['loss'].register_hook(raise_out_of_memory)
+        if collective:
+            torch.distributed.all_reduce(torch.zeros(1))
+        return losses
+
+    DeepSpeedEngineWrapper._run_forward = run_forward  # type: ignore[method-assign]

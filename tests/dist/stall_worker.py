@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import os.path as osp
 import sys
 from typing import Any, Callable
@@ -36,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 import mmengine_deepspeed  # noqa: F401
 import tests.toy_gan  # noqa: F401  registers ToyGAN
-from tests.helpers import run_scenarios, toy_config
+from tests.helpers import forward_doubles, run_scenarios, toy_config
 from tests.toy_gan import gan_config
 
 ITERS, FIRST, INTERVAL = 40, 10, 10
@@ -130,6 +131,8 @@ def run(out_dir: str, scenario: dict) -> None:
                                 logger=dict(type='LoggerHook', interval=INTERVAL))
     cfg['custom_hooks'] = [*cfg.get('custom_hooks', []), dict(type='StallCountHook')]
     cfg.update(runner_type='DeepSpeedRunner', launcher='pytorch', experiment_name=name)
+    forward_doubles(scenario.get('out_of_memory_on_rank1') if os.environ['RANK'] == '1'
+                    else None, False)
     runner = RUNNERS.build(Config(cfg))
     COUNTER.counts.clear()
     COUNTER.sites.clear()
@@ -137,7 +140,8 @@ def run(out_dir: str, scenario: dict) -> None:
     iterations = ITERS - FIRST
     counts, sites = COUNTER.counts.items(), COUNTER.sites.items()
     result = dict(per_iteration={f'{kind}/{who}': n / iterations for (kind, who), n in counts},
-                  sites={f'{kind} {site}': n / iterations for (kind, site), n in sites})
+                  sites={f'{kind} {site}': n / iterations for (kind, site), n in sites},
+                  split=getattr(runner.strategy.virtual_ranks, 'split', None))
     with open(osp.join(out_dir, f'{name}.rank{runner.rank}.json'), 'w') as f:
         json.dump(result, f, indent=1, sort_keys=True)
 

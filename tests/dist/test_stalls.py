@@ -5,7 +5,8 @@ interval 10), device synchronizes, host reads of tensor values and
 ``torch.distributed`` collectives, by issuer. This package and MMEngine together
 stay within 0.3 host reads, 0.1 collectives and no synchronize per iteration, at
 every ZeRO stage, with one optimizer and several (a GAN), with EMAHook, under a layout
-(virtual ranks' streams and buffers switched per micro-step, each one's batch split);
+(virtual ranks' streams and buffers switched per micro-step, each one's batch split, and
+split again after an out-of-memory retry);
 DeepSpeed
 issues no synchronize unless the ds_config asks for its timers.
 
@@ -57,6 +58,11 @@ SCENARIOS: list[dict[str, Any]] = [
     # its batch in 2 micro-batches (their logged losses averaged on the device)
     {'name': 'layout_z2', 'cfg': {'ds_config': zero(2), 'with_bn': True, 'layout': {
         'world_size': 4, 'micro_batches': 2, 'split_batchnorm': True}, **fused(2)}},
+    # micro_batches='auto' after rank 1 ran out of memory (a test double) in the first
+    # forward: every batch split again in this process, each iteration
+    {'name': 'layout_retried_z1', 'out_of_memory_on_rank1': {'at': [1], 'in': 'forward'},
+     'cfg': {'ds_config': zero(1), 'with_bn': False, **fused(1),
+             'layout': {'world_size': 4, 'micro_batches': 'auto'}}},
     {'name': 'z0_unfused', 'cfg': {'ds_config': zero(0), 'with_bn': False}},
     # DeepSpeed's timer when asked for: its synchronizes are counted
     {'name': 'timers_z2', 'cfg': {'ds_config': zero(2, timers={'throughput': {
@@ -91,6 +97,12 @@ def test_this_package_and_mmengine_make_no_gpu_wait(counts: dict, name: str) -> 
         assert _ours(result, 'read') <= 0.3, where
         assert _ours(result, 'collective') <= 0.1, where
         assert result['per_iteration'].get('sync/deepspeed', 0) == 0, result['per_iteration']
+
+
+def test_the_retried_layout_is_counted_split(counts: dict) -> None:
+    """The out-of-memory retry ran (its agreements go through the store, in the first
+    iterations only): the counted iterations split every batch again."""
+    assert counts['layout_retried_z1/0']['split'] == counts['layout_retried_z1/1']['split'] == 2
 
 
 def test_the_count_sees_what_it_counts(counts: dict) -> None:

@@ -37,10 +37,11 @@ import tests.toy_teacher  # noqa: F401  registers ToyTeacherModel
 from mmengine_deepspeed.checkpoint.layout import MARKER_FILE
 from mmengine_deepspeed.dist import init_distributed
 from mmengine_deepspeed.engine import split_retry
-from mmengine_deepspeed.engine.wrapper import DeepSpeedEngineWrapper
 from mmengine_deepspeed.strategy.run import RunStrategy
 from tests.helpers import (
+    OUT_OF_MEMORY_RAISED,
     ema_state,
+    forward_doubles,
     model_state,
     probe_inputs,
     recorder,
@@ -176,49 +177,6 @@ def _prediction_double(kind: Optional[str]) -> None:
         None: _PEAK_MODEL}[kind]
 
 
-_RUN_FORWARD = DeepSpeedEngineWrapper._run_forward
-_OUT_OF_MEMORY_RAISED = [0]  # by the doubles of this scenario
-
-
-def _forward_doubles(out_of_memory: Optional[dict], collective: bool) -> None:
-    """Test doubles in the training forward. ``out_of_memory`` (given on rank 1 only):
-    CUDA's allocator running out of memory (on the CPU torch raises no
-    ``torch.OutOfMemoryError``: the OS ends the process): ``{'at': [n, ...], 'in':
-    'forward' | 'backward'}``, the n-th training forward (from 1) of a micro-batch of more
-    than one sample raises it at the end of that forward, or in its backward; ``{'at':
-    'every'}``, every training forward raises it (nothing fits, even one sample).
-    ``collective``: every forward then all-reduces, as a loss averaging its positives over
-    ranks does (MMDetection's ``reduce_mean``). Neither: the real forward (a previous
-    scenario's doubles undone)."""
-    _OUT_OF_MEMORY_RAISED[0] = 0
-    if out_of_memory is None and not collective:
-        DeepSpeedEngineWrapper._run_forward = _RUN_FORWARD  # type: ignore[method-assign]
-        return
-    forwards = [0]
-
-    def raise_out_of_memory(*_: Any) -> None:
-        _OUT_OF_MEMORY_RAISED[0] += 1
-        raise torch.OutOfMemoryError('CUDA out of memory (a test double on rank 1)')
-
-    def run_forward(self: Any, batch: Any, mode: str) -> Any:
-        losses = _RUN_FORWARD(self, batch, mode)
-        if mode != 'loss':
-            return losses
-        if out_of_memory is not None and out_of_memory['at'] == 'every':
-            raise_out_of_memory()
-        if out_of_memory is not None and len(batch['inputs']) > 1:
-            forwards[0] += 1
-            if forwards[0] in out_of_memory['at']:
-                if out_of_memory['in'] == 'forward':
-                    raise_out_of_memory()
-                losses['loss'].register_hook(raise_out_of_memory)
-        if collective:
-            torch.distributed.all_reduce(torch.zeros(1))
-        return losses
-
-    DeepSpeedEngineWrapper._run_forward = run_forward  # type: ignore[method-assign]
-
-
 def run(out_dir: str, scenario: dict) -> None:
     name = scenario['name']
     mode = scenario.get('mode', 'train')
@@ -230,8 +188,8 @@ def run(out_dir: str, scenario: dict) -> None:
         _kill_rank1_during_save_at(scenario['kill_rank1_at_iter'], runner_box)
     _prediction_double(scenario.get('prediction_on_rank1') if os.environ['RANK'] == '1'
                        else None)
-    _forward_doubles(scenario.get('out_of_memory_on_rank1') if os.environ['RANK'] == '1'
-                     else None, scenario.get('collective_in_forward', False))
+    forward_doubles(scenario.get('out_of_memory_on_rank1') if os.environ['RANK'] == '1'
+                    else None, scenario.get('collective_in_forward', False))
     if 'retry_wait_s' in scenario:
         split_retry.WAIT_S = scenario['retry_wait_s']
     cfg = toy_config(scenario.get('work_dir', osp.join(out_dir, name)), **scenario.get('cfg', {}))
@@ -305,7 +263,7 @@ def run(out_dir: str, scenario: dict) -> None:
         retries=getattr(runner.model, 'split_retry', None) is not None,
         micro_batch=engine.train_micro_batch_size_per_gpu(),
         backward_depth=getattr(engine.optimizer, '_backward_active_depth', None),
-        out_of_memory_raised=_OUT_OF_MEMORY_RAISED[0],
+        out_of_memory_raised=OUT_OF_MEMORY_RAISED[0],
         wrapper=type(runner.model).__name__, module=type(module).__name__)
     torch.save(result, osp.join(out_dir, f'{name}.rank{runner.rank}.pt'))
 
