@@ -286,7 +286,8 @@ def test_auto_micro_batches_split_a_real_configs_batch_that_does_not_fit(
     ``tools/train.py`` on 2 ranks: ``plan``'s prediction traced on the dataset's first batch
     (MMPretrain's pipeline and collate); with room the batch is whole, and with a
     ``memory_gib`` just below the whole batch's predicted peak it is split in 2, said once
-    in the log with why, and trains (its BatchNorm opted in)."""
+    in the log with why, and trains (its BatchNorm opted in), at ZeRO-1 with the
+    out-of-memory retry armed (its agreements in the first iterations)."""
     config = write_config(str(tmp_path), roots, 'resnet_cifar')
     layout = ['layout.world_size=2', 'layout.micro_batches=auto']
     logs = []
@@ -299,7 +300,8 @@ def test_auto_micro_batches_split_a_real_configs_batch_that_does_not_fit(
         proc = run_torchrun(
             [train_script('mmpretrain'), config, '--launcher', 'pytorch', '--work-dir',
              work_dir, '--cfg-options', *layout, f'layout.memory_gib={memory}',
-             'layout.split_batchnorm=True', 'train_cfg.max_epochs=1'], nproc=2, timeout=600)
+             'layout.split_batchnorm=True', 'train_cfg.max_epochs=1',
+             'ds_config.zero_optimization.stage=1'], nproc=2, timeout=600)
         assert proc.returncode == 0, proc.stdout[-10000:]
         shutil.rmtree(work_dir)
         logs.append(proc.stdout)
@@ -309,3 +311,6 @@ def test_auto_micro_batches_split_a_real_configs_batch_that_does_not_fit(
                      r'the whole batch of 4 is predicted at \d+ MiB per rank, over \d+ MiB '
                      r'\(layout.memory_gib\); 2 samples at \d+ MiB fit\)', logs[1]), \
         logs[1][-4000:]
+    # the out-of-memory retry is armed (MMPretrain's collate is one it splits again)
+    assert all("micro_batches='auto' retries the first iterations in more micro-batches"
+               in log for log in logs), logs[0][-4000:]
