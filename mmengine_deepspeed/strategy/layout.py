@@ -3,7 +3,9 @@ what a layout cannot emulate, and the micro-batches each virtual rank's batch ru
 
 The split is chosen once, before the engines are built (their accumulation counts it), from
 ``plan``'s prediction for the config's model on one batch of the loader, and agreed across
-ranks (the largest: every rank must run as many micro-steps).
+ranks (the largest: every rank must run as many micro-steps). Once the engines exist, an
+``'auto'`` split gets its out-of-memory retry where the run can have one
+(``engine/split_retry.py``).
 """
 from __future__ import annotations
 
