@@ -3,9 +3,13 @@ accumulation with the same micro-batch, samples and optimizer steps: what the vi
 cost (each micro-step under its own random streams and buffers, one iteration for all).
 
 A small BatchNorm + dropout MLP (host-bound on the CPU, where the switches weigh most), k
-virtual ranks per rank against ``accumulative_counts=k``; each measurement its own torchrun
-launch, the two modes alternating. The ratio is accumulation's time per optimizer step over
-the layout's: >= 0.98 means the layout costs at most 2 %. Beside it, what the switches of
+virtual ranks per rank against ``accumulative_counts=k``; each round one torchrun launch per k
+that trains the two modes one after another in the same processes (accumulation, layout,
+layout, accumulation: launch-to-launch differences of a shared machine, larger than the
+effect, fall on both alike). The ratio is accumulation's time per optimizer step over
+the layout's: >= 0.98 means the layout costs at most 2 %; the same ratio of rank 0's CPU time
+per step (without the wait for the other rank and a shared machine's stolen time, the
+steadier measure of the host's work). Beside it, what the switches of
 virtual rank alone cost per optimizer step, timed in this process (the end-to-end ratio of
 a few-millisecond step is within a shared machine's noise).
 
@@ -26,6 +30,8 @@ from benchmarks.common import device_name, device_ranks, spread, table, torchrun
 
 WORKER = osp.join(osp.dirname(osp.abspath(__file__)), 'layout_worker.py')
 MODES = ('accumulation', 'layout')
+# a round's runs, in one process: ABBA, so that a drift over the round falls on both alike
+ORDER = ('accumulation', 'layout', 'layout', 'accumulation')
 
 
 def main() -> None:
@@ -39,24 +45,34 @@ def main() -> None:
     if args.smoke:
         rounds, counts, steps = 1, (2,), 5
     ms: dict[tuple[int, str], list[float]] = defaultdict(list)
+    cpu_ms: dict[tuple[int, str], list[float]] = defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(rounds):
+        for round_ in range(rounds):
             for k in counts:
-                for mode in MODES:
-                    (result,) = torchrun(WORKER, [mode, str(k), str(steps),
-                                                  osp.join(tmp, f'{mode}{k}')],
-                                         nproc=device_ranks())
-                    ms[(k, mode)].append(result['ms_per_step'])
+                results = torchrun(WORKER, [','.join(ORDER), str(k), str(steps),
+                                            osp.join(tmp, f'{round_}_{k}')],
+                                   nproc=device_ranks())
+                for mode in MODES:  # the round's mean of the mode's runs
+                    mine = [r for r in results if r['mode'] == mode]
+                    ms[(k, mode)].append(sum(r['ms_per_step'] for r in mine) / len(mine))
+                    cpu_ms[(k, mode)].append(
+                        sum(r['cpu_ms_per_step'] for r in mine) / len(mine))
     rows = []
     for k in counts:
         ratios = [a / b for a, b in zip(ms[(k, 'accumulation')], ms[(k, 'layout')])]
+        cpu_ratios = [a / b for a, b in zip(cpu_ms[(k, 'accumulation')],
+                                            cpu_ms[(k, 'layout')])]
         fastest = min(ms[(k, 'accumulation')])
         switches = switches_ms(k)
         rows.append([k, device_ranks(), f'{fastest:.1f}', f'{min(ms[(k, "layout")]):.1f}',
-                     spread(ratios), f'{switches:.2f} ({100 * switches / fastest:.1f} %)'])
+                     spread(ratios), f'{min(cpu_ms[(k, "accumulation")]):.1f}',
+                     f'{min(cpu_ms[(k, "layout")]):.1f}', spread(cpu_ratios),
+                     f'{switches:.2f} ({100 * switches / fastest:.1f} %)'])
     print(f'{device_name()}, {device_ranks()} rank(s), {rounds} round(s)')
     print(table(['virtual ranks per rank', 'ranks', 'accumulation ms/step (min)',
                  'layout ms/step (min)', 'accumulation/layout min/med/max',
+                 'accumulation CPU ms/step (min)', 'layout CPU ms/step (min)',
+                 'accumulation/layout CPU time min/med/max',
                  'switches ms/step (of accumulation\'s)'], rows))
 
 

@@ -1,9 +1,12 @@
 """One timed run of ``benchmarks/layout.py``: a small BatchNorm + dropout MLP on random data,
 trained by DeepSpeedRunner either with ``layout`` (k virtual ranks per rank, one iteration
 each k micro-batches) or with plain accumulation (``accumulative_counts=k``, one micro-batch
-an iteration), the same samples and optimizer steps; prints ``RESULT {...}`` on rank 0.
+an iteration), the same samples and optimizer steps; prints ``RESULT {...}`` on rank 0
+for each run.
 
-    torchrun --nproc_per_node 2 benchmarks/layout_worker.py {layout|accumulation} K STEPS WORK_DIR
+    torchrun --nproc_per_node 2 benchmarks/layout_worker.py MODE[,MODE...] K STEPS WORK_DIR
+
+(MODE: layout or accumulation; several run one after another in the one process.)
 """
 from __future__ import annotations
 
@@ -66,33 +69,37 @@ class LayoutBenchModel(BaseModel):
 
 @HOOKS.register_module()
 class LayoutBenchTimer(Hook):
-    """Wall time of the iterations after the warm-up."""
+    """Wall time and this process's CPU time of the iterations after the warm-up. The CPU
+    time leaves out what the wall time also holds: waiting for the other rank in the
+    gradient all-reduce (gloo blocks, it does not spin) and a shared machine's stolen time,
+    so it is the steadier measure of what the host does per step."""
 
     def __init__(self) -> None:
-        self.start: Optional[float] = None
-        self.seconds = 0.0
+        self.start: Optional[tuple[float, float]] = None
+        self.seconds = self.cpu_seconds = 0.0
 
     def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
         if runner.iter == self.warmup(runner):
-            self.start = time.perf_counter()
+            self.start = (time.perf_counter(), time.process_time())
 
     def after_train(self, runner: Any) -> None:
         assert self.start is not None
-        self.seconds = time.perf_counter() - self.start
+        self.seconds = time.perf_counter() - self.start[0]
+        self.cpu_seconds = time.process_time() - self.start[1]
 
     @staticmethod
     def warmup(runner: Any) -> int:
         return int(runner.cfg.get('timed_from', WARMUP))
 
 
-def main() -> None:
-    mode, k, steps, work_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+def train(mode: str, k: int, steps: int, work_dir: str, name: str) -> dict:
+    """One timed run: ``mode`` with k virtual ranks per rank (or accumulation over k)."""
     world = int(os.environ.get('WORLD_SIZE', 1))
     layout = mode == 'layout'
     iterations = steps if layout else steps * k
     cfg = Config(dict(
         model=dict(type='LayoutBenchModel'), work_dir=work_dir, launcher='pytorch',
-        runner_type='DeepSpeedRunner', experiment_name=f'layout_{mode}',
+        runner_type='DeepSpeedRunner', experiment_name=name,
         train_dataloader=dict(batch_size=BATCH, num_workers=0,
                               dataset=dict(type='LayoutBenchData'),
                               sampler=dict(type='DefaultSampler', shuffle=True, seed=0),
@@ -110,9 +117,21 @@ def main() -> None:
     runner.train()
     timer = next(h for h in runner.hooks if isinstance(h, LayoutBenchTimer))
     timed_steps = steps - WARMUP
-    if runner.rank == 0:
-        print('RESULT ' + json.dumps(dict(mode=mode, k=k, ms_per_step=timer.seconds
-                                          / timed_steps * 1000)), flush=True)
+    return dict(mode=mode, k=k, rank=runner.rank,
+                ms_per_step=timer.seconds / timed_steps * 1000,
+                cpu_ms_per_step=timer.cpu_seconds / timed_steps * 1000)
+
+
+def main() -> None:
+    """Each mode of the comma-separated list in turn, in this one process (a shared
+    machine's launch-to-launch differences then fall on both modes alike)."""
+    modes, k, steps, work_dir = sys.argv[1].split(','), int(sys.argv[2]), int(sys.argv[3]), \
+        sys.argv[4]
+    for index, mode in enumerate(modes):
+        result = train(mode, k, steps, osp.join(work_dir, f'{index}_{mode}'),
+                       f'layout_bench_{mode}_{index}')
+        if result.pop('rank') == 0:
+            print('RESULT ' + json.dumps(result), flush=True)
 
 
 if __name__ == '__main__':

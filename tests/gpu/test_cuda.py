@@ -115,3 +115,42 @@ def test_preemption_then_exact_resume_with_cuda_randomness(tmp_path: Any) -> Non
     assert recorder(resumed).losses == recorder(straight).losses[5:]
     for key, value in model_state(resumed.model.module).items():
         assert torch.equal(value, expected[key]), key
+
+
+def test_a_real_cuda_out_of_memory_error_is_retried_split(tmp_path: Any) -> None:
+    """``layout.micro_batches='auto'`` (a budget that says the batch of 4 fits), ZeRO-1, nccl,
+    one GPU: the model's forward takes 60 % of the GPU's free memory per sample for a
+    moment, so the batch of 4 runs out of CUDA memory for real (the CPU tests raise the
+    error with a test double); the iteration runs again in 2 micro-batches of 2, which also
+    run out, then in 4 of 1, and the run trains on with that split. The caching allocator's
+    blocks of the failed attempts are released in between."""
+    from mmengine.config import Config
+    from mmengine.registry import MODELS, RUNNERS
+
+    import mmengine_deepspeed  # noqa: F401
+    from tests.helpers import ToyModel, toy_config
+
+    @MODELS.register_module(force=True)
+    class MemoryHungryToy(ToyModel):
+        """ToyModel whose training forward allocates 60 % of the free memory per sample."""
+
+        def __init__(self, **kwargs: Any):
+            super().__init__(**kwargs)
+            self.per_sample = int(torch.cuda.mem_get_info()[0] * 0.6) // 4
+
+        def forward(self, inputs: torch.Tensor, labels: Any = None, mode: str = 'tensor') -> Any:
+            if mode == 'loss' and inputs.is_cuda:
+                torch.empty(len(inputs) * self.per_sample, device=inputs.device)  # and freed
+            return super().forward(inputs, labels, mode)
+
+    cfg = toy_config(str(tmp_path), max_iters=4, model={'type': 'MemoryHungryToy',
+                                                        'with_bn': False},
+                     ds_config={'zero_optimization': {'stage': 1}},
+                     layout={'world_size': 1, 'micro_batches': 'auto', 'memory_gib': 1000})
+    cfg.update(runner_type='DeepSpeedRunner', env_cfg=dict(dist_cfg=dict(backend='nccl')),
+               log_level='INFO')
+    runner = RUNNERS.build(Config(cfg))
+    runner.train()
+    virtual = runner.strategy.virtual_ranks
+    assert virtual is not None and virtual.split == 4
+    assert runner.strategy.engines()['model'].train_micro_batch_size_per_gpu() == 1
