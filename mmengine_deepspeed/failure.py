@@ -63,6 +63,7 @@ class _Channel:
         self.rank, self.world_size = rank, world_size
         self.failed = False  # this rank failed (or saw a peer fail): skip the exit barrier
         self.published = False  # this rank's failure is the one published
+        self._agreements = 0  # flagged(): the agreements this world has asked so far
         self._stop = threading.Event()
         # Clients of our own: the main thread's store (the process group's)
         # may be held by a blocking call when the watcher needs one.
@@ -135,7 +136,10 @@ class _Channel:
     def flagged(self, name: str, flag: bool, seconds: float) -> list[int]:
         """The ranks whose ``flag`` is set in the agreement ``name`` (see
         :func:`flagged_ranks`)."""
-        base = f'{self.prefix}agreement/{name}/'
+        # numbered in the world: a key of an earlier agreement (another run in this process
+        # group, of the same name) is never read as this one's
+        self._agreements += 1
+        base = f'{self.prefix}agreement/{self._agreements}/{name}/'
         keys = [f'{base}{rank}' for rank in range(self.world_size)]
         store = self._client(datetime.timedelta(seconds=seconds))
         store.set(keys[self.rank], '1' if flag else '0')
@@ -234,8 +238,11 @@ def flagged_ranks(name: str, flag: bool, rank: int, seconds: float) -> list[int]
     failure ends every rank. One store round trip each: for set-up and trial iterations,
     not for every iteration.
 
+    Every rank must ask the same agreements in the same order: they are numbered in the
+    world (``name`` says what is agreed, for the store's keys and errors).
+
     Args:
-        name (str): The agreement, unique in the job (each rank asks the same in turn).
+        name (str): What is agreed.
         flag (bool): This rank's answer.
         rank (int): This rank (the answer of a single process is its own).
         seconds (float): How long to wait for every rank's answer.

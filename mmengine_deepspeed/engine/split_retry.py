@@ -109,7 +109,6 @@ class SplitRetry:
         self.logger = logger
         self._loaded = virtual.split  # the micro-batches the loader collates a batch in
         self._windows = TRIAL_WINDOWS
-        self._agreements = 0
         self._trying = False  # in a tried iteration: agree before each backward
         self._started = 0.0
 
@@ -155,13 +154,11 @@ class SplitRetry:
         """The ranks out of memory (this one's error, if it is). A rank out of memory
         waits for the others for a bounded time (they may be inside a collective that it
         will not reach), then fails the run with its error."""
-        self._agreements += 1
-        name = f'split_retry/{self._agreements}'
         if out_of_memory is None:
-            return flagged_ranks(name, False, self.rank, PEER_WAIT_S)
+            return flagged_ranks('split_retry', False, self.rank, PEER_WAIT_S)
         seconds = max(WAIT_S, 4 * (time.monotonic() - self._started))
         try:
-            return flagged_ranks(name, True, self.rank, seconds)
+            return flagged_ranks('split_retry', True, self.rank, seconds)
         except TimeoutError as e:
             raise torch.OutOfMemoryError(
                 f'{out_of_memory} (layout.micro_batches=\'auto\' would retry in more '

@@ -50,6 +50,36 @@ def test_every_rank_gets_the_ranks_that_said_yes() -> None:
     assert _agree([(False, True), (False, True)]) == {0: [], 1: []}
 
 
+def _twice(port: int, rank: int, queue: Any) -> None:
+    """Two agreements of one name: rank 1 says yes to the first, and answers the second late."""
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    store = torch_dist.TCPStore('127.0.0.1', port, 2, is_master=rank == 0)
+    failure.watch_for_peer_failures('test/', rank, 2)
+    try:
+        first = failure.flagged_ranks('q', rank == 1, rank, 10.0)
+        if rank == 1:
+            time.sleep(1.5)
+        queue.put((rank, (first, failure.flagged_ranks('q', False, rank, 10.0))))
+    finally:
+        failure.stop_watching()
+        del store
+
+
+def test_an_earlier_agreement_of_the_same_name_is_never_read() -> None:
+    """Agreements are numbered in the world: rank 0, first to the second one, waits for rank
+    1's answer to it instead of reading rank 1's yes to the first (two runs in one process
+    group ask the same question)."""
+    port, context = free_port(), multiprocessing.get_context('spawn')
+    queue = context.Queue()
+    procs = [context.Process(target=_twice, args=(port, rank, queue)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    results = dict(queue.get(timeout=30) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+    assert results == {0: ([1], []), 1: ([1], [])}
+
+
 def test_a_rank_that_never_answers_ends_the_wait_in_its_time() -> None:
     """Rank 1 is elsewhere (a collective rank 0 will not reach): rank 0's wait ends after
     its 2 s with an error, not at the process group's timeout."""
