@@ -92,25 +92,29 @@ class VirtualRanks:
             self._switch(at, 0)
         return first
 
+    def _every(self) -> list[tuple[RawStreams, list[torch.Tensor]]]:
+        """Every virtual rank's streams and buffers between iterations (the first's are the
+        live ones; not copied)."""
+        assert self._slots is not None
+        return [(raw_streams(), self._buffers), *self._slots[1:]]
+
     def kept(self) -> list[tuple[RawStreams, list[torch.Tensor]]]:
         """Every virtual rank's streams and buffers as they are between iterations, copied:
         what :meth:`put_back` restores (an iteration retried from its start)."""
         self.begin()
-        assert self._slots is not None
-        live = (raw_streams(), self._buffers)  # between iterations the first's are live
         return [(streams, [b.detach().clone() for b in buffers])
-                for streams, buffers in (live, *self._slots[1:])]
+                for streams, buffers in self._every()]
 
     def put_back(self, kept: list[tuple[RawStreams, list[torch.Tensor]]]) -> None:
-        """Every virtual rank's streams and buffers as :meth:`kept` copied them (still
-        usable again)."""
-        assert self._slots is not None, 'kept() starts the virtual ranks'
+        """Every virtual rank's streams and buffers as ``kept`` has them (:meth:`kept`'s, or a
+        checkpoint's): the first's become this rank's own; ``kept`` stays usable again."""
         (streams, buffers), *others = kept
         set_raw_streams(streams)
         if self._buffers:
             with torch.no_grad():
                 torch._foreach_copy_(self._buffers, buffers)  # (see _switch)
-        self._slots[1:] = [(raw, [b.clone() for b in own]) for raw, own in others]
+        self._slots = [(streams, [b.detach().clone() for b in self._buffers]),
+                       *((raw, [b.clone() for b in own]) for raw, own in others)]
 
     def new_loader_iterator(self) -> None:
         """Make the other virtual ranks draw what this rank drew creating a DataLoader
@@ -145,11 +149,10 @@ class VirtualRanks:
         before training): what any number of ranks resuming the layout takes them from."""
         if self._slots is None:
             return None
-        own = (raw_streams(), self._buffers)  # between iterations the first's are live
         return dict(world_size=self.world_size, first=self.first, ranks=[
             dict(streams=saved_form(streams),
                  buffers=[b.detach().cpu().clone() for b in buffers])
-            for streams, buffers in (own, *self._slots[1:])])
+            for streams, buffers in self._every()])
 
     def load_state_dict(self, saved: list[Optional[dict[str, Any]]]) -> None:
         """This rank's virtual ranks from what every saved rank held (:meth:`state_dict`,
@@ -169,16 +172,8 @@ class VirtualRanks:
         if any(entry is None for entry in mine):
             raise ValueError(f'The checkpoint lacks virtual ranks {self.first}-'
                              f'{self.first + self.count - 1} (a rank file is missing).')
+        self.put_back([(raw_form(entry['streams']),
+                        [value.to(live.device, live.dtype)
+                         for value, live in zip(entry['buffers'], self._buffers)])
+                       for entry in mine if entry is not None])
 
-        def buffers(entry: dict[str, Any]) -> list[torch.Tensor]:
-            return [saved.to(live.device, live.dtype)
-                    for saved, live in zip(entry['buffers'], self._buffers)]
-
-        own, *others = [entry for entry in mine if entry is not None]
-        streams = raw_form(own['streams'])
-        set_raw_streams(streams)
-        with torch.no_grad():
-            for live, saved_buffer in zip(self._buffers, buffers(own)):
-                live.copy_(saved_buffer)
-        self._slots = [(streams, [b.detach().clone() for b in self._buffers]),
-                       *((raw_form(entry['streams']), buffers(entry)) for entry in others)]
